@@ -1,0 +1,123 @@
+"""The C ABI between a generated module and its Python binding.
+
+The structs are declared once, here, as ordered field lists. The Jinja templates render the C++
+structs from these lists and the Python binding renders its ctypes mirror from the same lists;
+at load time the runtime compares the module's own sizeof/offsetof table with the mirror.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# C type -> ctypes type name, for every C type the structs use.
+CTYPES = {
+    "void*": "c_void_p",
+    "const void*": "c_void_p",
+    "int64_t": "c_int64",
+    "int32_t": "c_int32",
+    "float": "c_float",
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    ctype: str
+    doc: str
+
+    @property
+    def ctypes_name(self) -> str:
+        return CTYPES[self.ctype]
+
+
+@dataclass(frozen=True)
+class Struct:
+    name: str
+    doc: str
+    fields: tuple[Field, ...]
+
+
+def _struct(name: str, doc: str, *rows: tuple[str, str, str]) -> Struct:
+    return Struct(name, doc, tuple(Field(*row) for row in rows))
+
+
+# Slots at the head of the int32 plan image, before the per-request and per-work arrays.
+PLAN_HEADER = ("num_work", "error", "num_partials", "reserved")
+
+DECODE_PARAMS = _struct(
+    "DecodeParams",
+    "Everything one batch-decode launch reads; built in plan(), tensor pointers patched in run().",
+    ("q", "const void*", "[batch, num_qo_heads, head_dim] query"),
+    ("k", "const void*", "paged K cache, element (page, head, token) at page*kv_stride_page + head*kv_stride_head + token*kv_stride_token"),
+    ("v", "const void*", "paged V cache, same strides as k"),
+    ("o", "void*", "[batch, num_qo_heads, head_dim] output (planned o dtype)"),
+    ("lse", "void*", "[batch, num_qo_heads] fp32 base-2 log-sum-exp, or null"),
+    ("indices", "const void*", "int32 page ids, request r owns indices[indptr[r]:indptr[r+1]]"),
+    ("plan", "void*", "device int32 plan image written by plan()"),
+    ("tmp_v", "void*", "fp32 partial outputs [num_partials, num_qo_heads, head_dim]"),
+    ("tmp_s", "void*", "fp32 partial base-2 lse [num_partials, num_qo_heads]"),
+    ("q_stride_n", "int64_t", "elements between requests in q"),
+    ("q_stride_h", "int64_t", "elements between heads in q"),
+    ("o_stride_n", "int64_t", "elements between requests in o"),
+    ("o_stride_h", "int64_t", "elements between heads in o"),
+    ("kv_stride_page", "int64_t", "elements between pages"),
+    ("kv_stride_head", "int64_t", "elements between kv heads"),
+    ("kv_stride_token", "int64_t", "elements between tokens of a page"),
+    ("batch_size", "int32_t", "requests in the batch"),
+    ("num_qo_heads", "int32_t", "query heads"),
+    ("num_kv_heads", "int32_t", "kv heads"),
+    ("group_size", "int32_t", "num_qo_heads / num_kv_heads"),
+    ("heads_per_cta", "int32_t", "query heads one CTA serves (a compiled variant: 1, 2, 4 or 8)"),
+    ("num_head_tiles", "int32_t", "ceil(group_size / heads_per_cta)"),
+    ("page_size", "int32_t", "tokens per page"),
+    ("num_pages", "int32_t", "pages in the cache; a page id outside [0, num_pages) is flagged"),
+    ("work_capacity", "int32_t", "grid size in work items (static under CUDA graphs)"),
+    ("off_indptr", "int32_t", "plan image offset of indptr[batch+1]"),
+    ("off_work_request", "int32_t", "plan image offset of the work items' request ids"),
+    ("off_work_begin", "int32_t", "plan image offset of the work items' first kv token"),
+    ("off_work_end", "int32_t", "plan image offset of the work items' end kv token"),
+    ("off_work_partial", "int32_t", "plan image offset of the work items' partial slot (-1: write o)"),
+    ("off_partial_indptr", "int32_t", "plan image offset of the per-request partial slot ranges"),
+    ("run_merge", "int32_t", "1 when some request is split and the merge kernel must run"),
+    ("device", "int32_t", "CUDA device that holds the tensors"),
+    ("debug_sync", "int32_t", "1: synchronize and check after every kernel"),
+    ("score_scale", "float", "multiplies q.k: sm_scale*log2(e), or sm_scale/soft_cap with a soft cap"),
+    ("post_scale", "float", "soft cap only: cap*log2(e), applied after tanh"),
+)
+
+DECODE_PLAN_ARGS = _struct(
+    "DecodePlanArgs",
+    "Host inputs of the decode planner; it writes the plan image in place.",
+    ("indptr", "const void*", "host int32 [batch+1] page indptr"),
+    ("last_page_len", "const void*", "host int32 [batch] tokens in each request's last page"),
+    ("image", "void*", "host int32 plan image to fill (pinned)"),
+    ("batch_size", "int32_t", "requests"),
+    ("page_size", "int32_t", "tokens per page"),
+    ("num_indices", "int32_t", "entries in the page-id array"),
+    ("ctas_per_request", "int32_t", "num_kv_heads * num_head_tiles: CTAs one work item launches"),
+    ("max_ctas", "int32_t", "CTAs the GPU holds at once (SMs x occupancy)"),
+    ("window_left", "int32_t", "sliding window (-1: none)"),
+    ("fixed_split_tokens", "int32_t", "> 0: chunk every request into this many kv tokens"),
+    ("disable_split_kv", "int32_t", "1: one work item per request"),
+    ("min_chunk_tokens", "int32_t", "smallest chunk split-KV may cut"),
+    ("work_capacity", "int32_t", "room for work items (and partial slots) in the image"),
+    ("graph_mode", "int32_t", "1: CUDA-graph plan (the merge always runs)"),
+    ("off_indptr", "int32_t", "see DecodeParams"),
+    ("off_work_request", "int32_t", "see DecodeParams"),
+    ("off_work_begin", "int32_t", "see DecodeParams"),
+    ("off_work_end", "int32_t", "see DecodeParams"),
+    ("off_work_partial", "int32_t", "see DecodeParams"),
+    ("off_partial_indptr", "int32_t", "see DecodeParams"),
+)
+
+DECODE_PLAN_INFO = _struct(
+    "DecodePlanInfo",
+    "What the planner decided.",
+    ("num_work", "int32_t", "work items written"),
+    ("num_partials", "int32_t", "fp32 partial slots the split requests need"),
+    ("chunk_tokens", "int32_t", "kv tokens per chunk"),
+    ("max_chunks", "int32_t", "largest number of chunks of one request"),
+)
+
+STRUCTS = (DECODE_PARAMS, DECODE_PLAN_ARGS, DECODE_PLAN_INFO)
+

@@ -1,0 +1,210 @@
+"""The one table of validity rules.
+
+Each row says what is wrong with a spec and what to do instead. The generator, the runtime's
+backend selection, the CLI (`validate`, `matrix`) and the tests all read this table, so they
+cannot disagree. A predicate returns True when the spec VIOLATES the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .dtypes import DType
+from .spec import Arch, Backend, Kind, KernelSpec, PosEncoding
+
+# Head dims each kernel family is written for, as (qk, vo) pairs.
+FA2_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
+FA3_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
+DECODE_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    message: str
+    suggestion: str
+    predicate: Callable[[KernelSpec], bool]
+
+    def violated_by(self, spec: KernelSpec) -> bool:
+        return self.predicate(spec)
+
+    def render(self, spec: KernelSpec) -> str:
+        return f"[{self.id}] {self.message.format(s=spec)} -> {self.suggestion.format(s=spec)}"
+
+
+def _fa3(s: KernelSpec) -> bool:
+    return s.backend is Backend.FA3
+
+
+def _dims(s: KernelSpec) -> tuple[int, int]:
+    return (s.head_dim_qk, s.head_dim_vo)
+
+
+def _pairs(dims: frozenset) -> str:
+    return ", ".join(f"{qk}" if qk == vo else f"({qk},{vo})" for qk, vo in sorted(dims))
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "o-not-fp8",
+        "the output dtype is {s.dtype_o.short}; no kernel writes an fp8 output",
+        "use o_data_type bf16 or fp16",
+        lambda s: s.dtype_o.is_fp8,
+    ),
+    Rule(
+        "no-archs",
+        "the spec names no target arch",
+        "name at least one of sm80, sm86, sm89, sm90, sm90a",
+        lambda s: not s.archs,
+    ),
+    Rule(
+        "mixed-16bit-qkv",
+        "q is {s.dtype_q.short} and kv is {s.dtype_kv.short}: mixed 16-bit q/kv is not supported",
+        "store the KV cache in the query's dtype ({s.dtype_q.short})",
+        lambda s: not s.dtype_q.is_fp8 and not s.dtype_kv.is_fp8 and s.dtype_q is not s.dtype_kv,
+    ),
+    Rule(
+        "fp8-q-needs-fp8-kv",
+        "q is {s.dtype_q.short} but kv is {s.dtype_kv.short}: an fp8 query needs an fp8 KV cache",
+        "quantize the KV cache to {s.dtype_q.short}, or use a 16-bit query",
+        lambda s: s.dtype_q.is_fp8 and not s.dtype_kv.is_fp8,
+    ),
+    Rule(
+        "fa2-no-fp8-q",
+        "fa2 kernels take a 16-bit query; q is {s.dtype_q.short}",
+        "use a bf16/fp16 query with fa2 (fp8 KV is dequantized in the kernel), or backend fa3 on sm90a",
+        lambda s: s.backend is Backend.FA2 and s.dtype_q.is_fp8,
+    ),
+    Rule(
+        "fa3-needs-sm90a",
+        "fa3 kernels use wgmma/TMA/setmaxnreg, which only sm_90a has; archs are {s.archs}",
+        "add sm90a to the target archs, or use backend fa2",
+        lambda s: _fa3(s) and Arch.SM90A not in s.archs,
+    ),
+    Rule(
+        "fa3-only-sm90a",
+        "an fa3 module is Hopper-only but also targets {s.archs}",
+        "build fa3 for sm90a alone and fa2 for the other archs",
+        lambda s: _fa3(s) and any(a is not Arch.SM90A for a in s.archs),
+    ),
+    Rule(
+        "fa3-fp8-kv-needs-fp8-q",
+        "fa3 with an fp8 KV cache needs an fp8 query (the fp8 wgmma takes both operands fp8); q is {s.dtype_q.short}",
+        "use backend fa2, which dequantizes fp8 KV in the kernel, or quantize the query to {s.dtype_kv.short}",
+        lambda s: _fa3(s) and s.dtype_kv.is_fp8 and not s.dtype_q.is_fp8,
+    ),
+    Rule(
+        "fa3-same-dtype-family",
+        "fa3 fp8 needs q and kv of the same fp8 format; q is {s.dtype_q.short}, kv is {s.dtype_kv.short}",
+        "use the same dtype for q and kv, or backend fa2",
+        lambda s: _fa3(s) and s.dtype_q.is_fp8 and s.dtype_kv.is_fp8 and s.dtype_q is not s.dtype_kv,
+    ),
+    Rule(
+        "fa3-no-custom-mask",
+        "fa3 kernels have no custom-mask path",
+        "use backend fa2 for custom masks",
+        lambda s: _fa3(s) and s.use_custom_mask,
+    ),
+    Rule(
+        "fa3-no-pos-encoding",
+        "fa3 kernels have no in-kernel positional encoding; pos_encoding is {s.pos_encoding.value}",
+        "apply RoPE before the kernel and use pos_encoding NONE, or backend fa2",
+        lambda s: _fa3(s) and s.pos_encoding is not PosEncoding.NONE,
+    ),
+    Rule(
+        "fa3-no-fp16-qk-reduction",
+        "fa3 kernels accumulate QK^T in fp32 only",
+        "turn fp16_qk_reduction off, or use backend fa2",
+        lambda s: _fa3(s) and s.fp16_qk_reduction,
+    ),
+    Rule(
+        "fa3-head-dims",
+        "fa3 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
+        "use head dims " + _pairs(FA3_PREFILL_HEAD_DIMS) + " or backend fa2",
+        lambda s: _fa3(s) and _dims(s) not in FA3_PREFILL_HEAD_DIMS,
+    ),
+    Rule(
+        "fa2-prefill-head-dims",
+        "fa2 prefill has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
+        "use head dims " + _pairs(FA2_PREFILL_HEAD_DIMS),
+        lambda s: s.kind is Kind.PREFILL and s.backend is Backend.FA2 and _dims(s) not in FA2_PREFILL_HEAD_DIMS,
+    ),
+    Rule(
+        "fp16-qk-reduction-needs-fp16",
+        "fp16_qk_reduction accumulates QK^T in fp16, which only an fp16 query allows; q is {s.dtype_q.short}",
+        "turn fp16_qk_reduction off",
+        lambda s: s.fp16_qk_reduction and s.dtype_q is not DType.FP16,
+    ),
+    Rule(
+        "decode-is-fa2",
+        "the CUDA-core decode kernels are fa2 kernels; fa3 serves decode through its prefill kernels",
+        "use backend fa2 for kind decode, or decode with use_tensor_cores=True to run on fa3",
+        lambda s: s.kind is Kind.DECODE and _fa3(s),
+    ),
+    Rule(
+        "decode-head-dims",
+        "the decode kernel has no instance for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
+        "use head dim " + _pairs(DECODE_HEAD_DIMS) + " (qk and vo equal)",
+        lambda s: s.kind is Kind.DECODE and _dims(s) not in DECODE_HEAD_DIMS,
+    ),
+    Rule(
+        "decode-no-custom-mask",
+        "decode attends to the whole (windowed) KV of its request; it has no custom mask",
+        "turn use_custom_mask off for decode, or use a prefill kernel",
+        lambda s: s.kind is Kind.DECODE and s.use_custom_mask,
+    ),
+    Rule(
+        "decode-no-pos-encoding",
+        "the decode kernel has no in-kernel positional encoding; pos_encoding is {s.pos_encoding.value}",
+        "apply RoPE to q and k before appending to the cache and use pos_encoding NONE",
+        lambda s: s.kind is Kind.DECODE and s.pos_encoding is not PosEncoding.NONE,
+    ),
+    Rule(
+        "decode-no-fp16-qk-reduction",
+        "the decode kernel reduces q.k in fp32 on CUDA cores; fp16_qk_reduction has no meaning there",
+        "turn fp16_qk_reduction off for decode",
+        lambda s: s.kind is Kind.DECODE and s.fp16_qk_reduction,
+    ),
+    Rule(
+        "decode-fp8-kv-not-built",
+        "the decode kernel does not yet dequantize an fp8 KV cache ({s.dtype_kv.short})",
+        "use a bf16/fp16 KV cache for decode",
+        lambda s: s.kind is Kind.DECODE and s.dtype_kv.is_fp8,
+    ),
+    Rule(
+        "prefill-not-built",
+        "prefill kernels ({s.backend.value}) are not part of this version",
+        "use kind decode; prefill arrives with the FA2/FA3 prefill kernels",
+        lambda s: s.kind is Kind.PREFILL,
+    ),
+)
+
+RULES_BY_ID = {rule.id: rule for rule in RULES}
+assert len(RULES_BY_ID) == len(RULES), "rule ids must be unique"
+
+
+def check(spec: KernelSpec) -> list[Rule]:
+    """Every rule the spec violates (empty list: the spec is valid)."""
+    return [rule for rule in RULES if rule.violated_by(spec)]
+
+
+class UnsupportedSpecError(ValueError):
+    """A spec that some rule refuses; carries every violated rule."""
+
+    def __init__(self, spec: KernelSpec, violations: list[Rule]):
+        self.spec = spec
+        self.violations = violations
+        lines = "\n  ".join(rule.render(spec) for rule in violations)
+        super().__init__(f"unsupported kernel spec {spec.name}:\n  {lines}")
+
+    @property
+    def rule_ids(self) -> list[str]:
+        return [rule.id for rule in self.violations]
+
+
+def ensure_valid(spec: KernelSpec) -> KernelSpec:
+    violations = check(spec)
+    if violations:
+        raise UnsupportedSpecError(spec, violations)
+    return spec

@@ -1,0 +1,1 @@
+"""Jinja module templates and the hand-written kernel headers under include/attnforge/."""

@@ -1,0 +1,286 @@
+// Role: FA2 batch decode over a paged KV cache on CUDA cores (one query token per request).
+//
+// Contract:
+//   grid  = (work_capacity * num_head_tiles, num_kv_heads); block = (kBdx, kHeadsPerCta, kBdz).
+//   A CTA takes one planned work item (request, kv token range [begin, end)) for one kv head and
+//   up to kHeadsPerCta of the query heads that share it, so K/V are read once per group.
+//   Thread (tx, ty, tz): tx owns kVec consecutive elements of the head dim, ty one query head,
+//   tz one "token lane" that walks its own slice of every KV tile.
+//   K/V tiles stream through a kStages-deep cp.async ring; page ids for the tile after next are
+//   fetched one iteration ahead so the gather never waits on the page table.
+//   Output: softmax-normalized o and base-2 lse (log2 of the denominator plus the scaled max),
+//   either straight into o/lse or, for a split request, into the fp32 partial slot the plan gave.
+//   An empty range writes o = 0, lse = -inf. A page id outside [0, num_pages) never reaches
+//   memory: the CTA reads page 0 instead, writes NaN, and raises the plan's error word.
+//
+// Must not: decide anything about scheduling (the plan did) or know about dtypes beyond Vec16.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/async_copy.cuh"
+#include "../common/math.cuh"
+#include "../common/plan_image.cuh"
+#include "../common/vec.cuh"
+
+namespace attnforge::fa2 {
+
+template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDim_,
+          int kHeadsPerCta_, bool kSoftCap_>
+struct DecodeTraits {
+  using Params = Params_;
+  using DTypeQ = DTypeQ_;
+  using DTypeKV = DTypeKV_;
+  using DTypeO = DTypeO_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadsPerCta = kHeadsPerCta_;
+  static constexpr bool kSoftCap = kSoftCap_;
+
+  static constexpr int kVec = 16 / sizeof(DTypeKV);  // elements per 16-byte load
+  static constexpr int kBdx = kHeadDim / kVec;       // threads spanning one KV row
+  static constexpr int kThreads = kBdx * kHeadsPerCta > 128 ? kBdx * kHeadsPerCta : 128;
+  static constexpr int kBdz = kThreads / (kBdx * kHeadsPerCta);  // token lanes
+  // 8 KB of K and 8 KB of V per stage: with 4 stages and 3 CTAs an SM keeps ~150 KB of loads in
+  // flight, enough to cover HBM latency at full bandwidth.
+  static constexpr int kTileTokens = (8192 / (kHeadDim * int(sizeof(DTypeKV)))) > kBdz
+                                         ? 8192 / (kHeadDim * int(sizeof(DTypeKV)))
+                                         : kBdz;
+  static constexpr int kTokensPerLane = kTileTokens / kBdz;
+  static constexpr int kStages = 4;
+  static constexpr int kChunksPerTile = kTileTokens * kBdx;  // 16-byte chunks in one K (or V) tile
+  static constexpr int kChunksPerThread = kChunksPerTile / kThreads;
+
+  static_assert(kHeadDim % (kVec * 8) == 0 && kBdx <= 32 && 32 % kBdx == 0,
+                "decode-head-dims: a KV row must span a power-of-two number of lanes within a warp");
+  static_assert(kChunksPerThread >= 1 && kChunksPerTile % kThreads == 0,
+                "decode tile: every thread must issue the same number of 16-byte copies");
+  static_assert(kTileTokens % kBdz == 0, "decode tile: token lanes must split a tile evenly");
+
+  struct SharedStorage {
+    alignas(16) DTypeKV k[kStages][kTileTokens * kHeadDim];
+    alignas(16) DTypeKV v[kStages][kTileTokens * kHeadDim];
+    // Token-lane partial states, merged at the end: [kBdz][kHeadsPerCta][kHeadDim] and (m, d).
+    float lane_o[kBdz > 1 ? kBdz : 1][kHeadsPerCta][kHeadDim];
+    float lane_m[kBdz > 1 ? kBdz : 1][kHeadsPerCta];
+    float lane_d[kBdz > 1 ? kBdz : 1][kHeadsPerCta];
+  };
+};
+
+// Online-softmax state of one query head, as seen by one thread (kVec output columns).
+template <int kVec>
+struct SoftmaxState {
+  float m = common::kNegInf;  // running max of base-2 scores
+  float d = 0.f;              // running sum of 2^(s - m)
+  float o[kVec] = {};         // running sum of 2^(s - m) * v
+
+  __device__ __forceinline__ void rescale_to(float m_new) {
+    const float alpha = common::fast_exp2(m - m_new);
+    d *= alpha;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[e] *= alpha;
+    m = m_new;
+  }
+
+  // Fold another state (same head, other tokens) into this one.
+  __device__ __forceinline__ void merge(float m_other, float d_other, const float* o_other) {
+    const float m_new = fmaxf(m, m_other);
+    if (m_new == common::kNegInf) return;
+    const float a = common::fast_exp2(m - m_new);
+    const float b = common::fast_exp2(m_other - m_new);
+    d = d * a + d_other * b;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[e] = o[e] * a + o_other[e] * b;
+    m = m_new;
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, const typename T::DTypeKV* v_tile,
+                                            const float (&q)[T::kVec], int first_row_token, int end_token,
+                                            float score_post_scale, SoftmaxState<T::kVec>& st) {
+  using Vec = common::Vec16<typename T::DTypeKV>;
+  const int tx = threadIdx.x, tz = threadIdx.z;
+  float s[T::kTokensPerLane];
+  float tile_max = common::kNegInf;
+#pragma unroll
+  for (int j = 0; j < T::kTokensPerLane; ++j) {
+    const int row = tz * T::kTokensPerLane + j;
+    float kf[T::kVec];
+    Vec::to_float(*reinterpret_cast<const uint4*>(k_tile + row * T::kHeadDim + tx * T::kVec), kf);
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) dot = fmaf(q[e], kf[e], dot);
+    dot = common::lane_group_sum<T::kBdx>(dot);
+    if constexpr (T::kSoftCap) dot = score_post_scale * common::fast_tanh(dot);
+    s[j] = first_row_token + row < end_token ? dot : common::kNegInf;
+    tile_max = fmaxf(tile_max, s[j]);
+  }
+  const float m_new = fmaxf(st.m, tile_max);
+  if (m_new == common::kNegInf) return;  // every token of this lane is past the end
+  st.rescale_to(m_new);
+#pragma unroll
+  for (int j = 0; j < T::kTokensPerLane; ++j) {
+    const int row = tz * T::kTokensPerLane + j;
+    const float p = common::fast_exp2(s[j] - m_new);
+    st.d += p;
+    float vf[T::kVec];
+    Vec::to_float(*reinterpret_cast<const uint4*>(v_tile + row * T::kHeadDim + tx * T::kVec), vf);
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) st.o[e] = fmaf(p, vf[e], st.o[e]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads) decode_kernel(const __grid_constant__ typename T::Params p) {
+  using DTypeKV = typename T::DTypeKV;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+  int32_t* plan = static_cast<int32_t*>(p.plan);
+
+  const int work = blockIdx.x / p.num_head_tiles;
+  if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
+  const int head_tile = blockIdx.x % p.num_head_tiles;
+  const int kv_head = blockIdx.y;
+  const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
+  const int tid = tx + T::kBdx * (ty + T::kHeadsPerCta * tz);
+
+  const int group_head = head_tile * T::kHeadsPerCta + ty;
+  const bool head_active = group_head < p.group_size;
+  const int qo_head = kv_head * p.group_size + (head_active ? group_head : p.group_size - 1);
+
+  const int request = plan[p.off_work_request + work];
+  const int begin = plan[p.off_work_begin + work];
+  const int end = plan[p.off_work_end + work];
+  const int slot = plan[p.off_work_partial + work];
+  const int page_base = plan[p.off_indptr + request];
+  const int32_t* page_ids = static_cast<const int32_t*>(p.indices) + page_base;
+
+  // q row, pre-multiplied by the score scale so each dot product is already in log2 units.
+  float q[T::kVec];
+  {
+    using QVec = common::Vec16<typename T::DTypeQ>;
+    const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
+    QVec::to_float(*reinterpret_cast<const uint4*>(q_row + tx * T::kVec), q);
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) q[e] *= p.score_scale;
+  }
+
+  // Each thread copies the same kChunksPerThread (row, column) chunks of every tile.
+  const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
+  const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.kv_stride_head;
+  bool bad_page = false;
+  auto row_offset = [&](int tile, int c) -> int64_t {
+    const int chunk = tid + c * T::kThreads;
+    const int token = begin + tile * T::kTileTokens + chunk / T::kBdx;
+    if (token >= end) return -1;
+    const int page = __ldg(page_ids + token / p.page_size);
+    const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
+    bad_page |= !ok;
+    return (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(token % p.page_size) * p.kv_stride_token +
+           (chunk % T::kBdx) * T::kVec;
+  };
+  auto issue = [&](int tile, const int64_t (&offsets)[T::kChunksPerThread]) {
+    const int stage = tile % T::kStages;
+#pragma unroll
+    for (int c = 0; c < T::kChunksPerThread; ++c) {
+      const int chunk = tid + c * T::kThreads;
+      const int smem_idx = (chunk / T::kBdx) * T::kHeadDim + (chunk % T::kBdx) * T::kVec;
+      const bool valid = offsets[c] >= 0;
+      const int64_t off = valid ? offsets[c] : 0;
+      common::cp_async_16(&smem.k[stage][smem_idx], k_head + off, valid);
+      common::cp_async_16(&smem.v[stage][smem_idx], v_head + off, valid);
+    }
+  };
+
+  const int num_tiles = (end - begin + T::kTileTokens - 1) / T::kTileTokens;
+  int64_t offsets[T::kChunksPerThread];
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+#pragma unroll
+    for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(s, c);
+    if (s < num_tiles) issue(s, offsets);
+    common::cp_async_commit();
+  }
+#pragma unroll
+  for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(T::kStages - 1, c);
+
+  SoftmaxState<T::kVec> st;
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    common::cp_async_wait<T::kStages - 2>();
+    __syncthreads();
+    // The stage refilled here was consumed in the previous iteration, which the barrier closed.
+    const int ahead = tile + T::kStages - 1;
+    if (ahead < num_tiles) issue(ahead, offsets);
+    common::cp_async_commit();
+#pragma unroll
+    for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(ahead + 1, c);
+
+    const int stage = tile % T::kStages;
+    decode_tile<T>(smem.k[stage], smem.v[stage], q, begin + tile * T::kTileTokens, end, p.post_scale, st);
+  }
+  common::cp_async_wait<0>();
+
+  // Merge the token lanes of each head (lane 0 keeps the result).
+  if constexpr (T::kBdz > 1) {
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) smem.lane_o[tz][ty][tx * T::kVec + e] = st.o[e];
+    if (tx == 0) {
+      smem.lane_m[tz][ty] = st.m;
+      smem.lane_d[tz][ty] = st.d;
+    }
+    __syncthreads();
+    if (tz == 0) {
+      for (int lane = 1; lane < T::kBdz; ++lane) {
+        st.merge(smem.lane_m[lane][ty], smem.lane_d[lane][ty], &smem.lane_o[lane][ty][tx * T::kVec]);
+      }
+    }
+  }
+  bad_page = __syncthreads_or(bad_page);
+  if (tz != 0 || !head_active) return;
+
+  const float inv_d = st.d > 0.f ? 1.f / st.d : 0.f;
+  float out[T::kVec];
+#pragma unroll
+  for (int e = 0; e < T::kVec; ++e) out[e] = bad_page ? NAN : st.o[e] * inv_d;
+  const float lse = bad_page ? NAN : (st.d > 0.f ? st.m + log2f(st.d) : common::kNegInf);
+  if (bad_page && tid == 0) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
+
+  if (slot < 0) {
+    auto* o_row = static_cast<typename T::DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h;
+    *reinterpret_cast<uint4*>(o_row + tx * T::kVec) = common::Vec16<typename T::DTypeO>::from_float(out);
+    if (p.lse != nullptr && tx == 0) static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] = lse;
+  } else {
+    const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
+    float* partial = static_cast<float*>(p.tmp_v) + row * T::kHeadDim + tx * T::kVec;
+#pragma unroll
+    for (int e = 0; e < T::kVec; e += 4) *reinterpret_cast<float4*>(partial + e) = make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
+    if (tx == 0) static_cast<float*>(p.tmp_s)[row] = lse;
+  }
+}
+
+template <typename T>
+cudaError_t launch_decode(const typename T::Params& p, cudaStream_t stream) {
+  constexpr int kSmem = sizeof(typename T::SharedStorage);
+  // Above 48 KB the opt-in must be set per device; setting it every launch is cheap and correct
+  // for processes that drive several GPUs.
+  if constexpr (kSmem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(p.work_capacity * p.num_head_tiles, p.num_kv_heads);
+  const dim3 block(T::kBdx, T::kHeadsPerCta, T::kBdz);
+  decode_kernel<T><<<grid, block, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t decode_occupancy(int* ctas_per_sm) {
+  constexpr int kSmem = sizeof(typename T::SharedStorage);
+  if constexpr (kSmem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, decode_kernel<T>, T::kThreads, kSmem);
+}
+
+}  // namespace attnforge::fa2
