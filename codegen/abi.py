@@ -7,6 +7,7 @@ at load time the runtime compares the module's own sizeof/offsetof table with th
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 # C type -> ctypes type name, for every C type the structs use.
@@ -121,3 +122,19 @@ DECODE_PLAN_INFO = _struct(
 
 STRUCTS = (DECODE_PARAMS, DECODE_PLAN_ARGS, DECODE_PLAN_INFO)
 
+
+# Error bits a kernel may raise in the plan image's "error" slot.
+PLAN_ERROR_BAD_PAGE = 1
+
+
+def expected_abi_table(structs) -> list[int]:
+    """The table a module's `<uri>_abi()` reports, computed from ctypes mirrors of STRUCTS:
+    per struct its sizeof then each field's offset; then the plan-image header constants."""
+    table: list[int] = []
+    for struct in structs:
+        table.append(ctypes.sizeof(struct))
+        table.extend(getattr(struct, name).offset for name, _ in struct._fields_)
+    table.extend(
+        [PLAN_HEADER.index("num_work"), PLAN_HEADER.index("error"), PLAN_HEADER.index("num_partials"), len(PLAN_HEADER), PLAN_ERROR_BAD_PAGE]
+    )
+    return table

@@ -28,6 +28,12 @@ class DType(Enum):
     def bytes(self) -> int:
         return self.bits // 8
 
+    @property
+    def default_output(self) -> "DType":
+        """The o dtype a query of this dtype gets when none is asked for: its own, and bf16 for an
+        fp8 query (no kernel writes fp8)."""
+        return DType.BF16 if self.is_fp8 else self
+
     @classmethod
     def parse(cls, text: str) -> "DType":
         """Accept the short name ("bf16") or the torch name ("bfloat16")."""

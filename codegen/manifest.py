@@ -10,6 +10,7 @@
     backend = "fa2"
     dtype_q = ["bf16", "fp16"] # a list means: one spec per value (cartesian product)
     dtype_kv = "same_as_q"     # dtype_kv / dtype_o may follow the query's dtype
+    dtype_o = "default"        # the query's dtype, bf16 for an fp8 query
     head_dim = [64, 128]       # shorthand for head_dim_qk = head_dim_vo
     archs = ["80", "90a"]      # one arch per spec; "80+90a" makes one module for both
 
@@ -28,6 +29,7 @@ from .rules import Rule, check
 from .spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 
 SAME_AS_Q = "same_as_q"
+DEFAULT_OUTPUT = "default"
 
 
 def default_manifest_path() -> Path:
@@ -44,6 +46,13 @@ class ManifestError(ValueError):
     pass
 
 
+def _strict(value, kind: type, expected: str):
+    # TOML already types its values: a quoted "false" or 128.5 is a mistake, not a value to coerce.
+    if type(value) is not kind:
+        raise ValueError(f"expected {expected}, got {value!r}")
+    return value
+
+
 _PARSERS = {
     "kind": Kind,
     "backend": Backend,
@@ -51,13 +60,13 @@ _PARSERS = {
     "dtype_kv": DType.parse,
     "dtype_o": DType.parse,
     "idtype": IndexType.parse,
-    "head_dim_qk": int,
-    "head_dim_vo": int,
+    "head_dim_qk": lambda v: _strict(v, int, "an integer"),
+    "head_dim_vo": lambda v: _strict(v, int, "an integer"),
     "pos_encoding": lambda v: PosEncoding(str(v).upper()),
-    "use_sliding_window": bool,
-    "use_logits_soft_cap": bool,
-    "use_custom_mask": bool,
-    "fp16_qk_reduction": bool,
+    "use_sliding_window": lambda v: _strict(v, bool, "true or false"),
+    "use_logits_soft_cap": lambda v: _strict(v, bool, "true or false"),
+    "use_custom_mask": lambda v: _strict(v, bool, "true or false"),
+    "fp16_qk_reduction": lambda v: _strict(v, bool, "true or false"),
     "archs": lambda v: tuple(Arch.parse(a) for a in str(v).split("+")),
 }
 _META_KEYS = {"name", "on_invalid"}
@@ -70,12 +79,18 @@ def _values(key: str, raw) -> list:
     return items
 
 
+def _expand_head_dim(table: dict, where: str) -> dict:
+    """Rewrite the `head_dim` shorthand of one table (defaults or a group) before tables merge."""
+    table = dict(table)
+    if "head_dim" in table:
+        if "head_dim_qk" in table or "head_dim_vo" in table:
+            raise ManifestError(f"{where}: give either head_dim or head_dim_qk/head_dim_vo, not both")
+        table["head_dim_qk"] = table.pop("head_dim")
+        table["head_dim_vo"] = SAME_AS_Q
+    return table
+
+
 def _expand_group(group: dict, where: str) -> Expansion:
-    group = dict(group)
-    if "head_dim" in group:
-        dims = group.pop("head_dim")
-        group["head_dim_qk"] = dims
-        group["head_dim_vo"] = SAME_AS_Q
     unknown = set(group) - set(_PARSERS) - _META_KEYS
     if unknown:
         raise ManifestError(f"{where}: unknown field(s) {sorted(unknown)}; expected some of {sorted(_PARSERS)}")
@@ -84,7 +99,7 @@ def _expand_group(group: dict, where: str) -> Expansion:
         raise ManifestError(f"{where}: on_invalid must be 'skip' or 'error', got {on_invalid!r}")
     keys = sorted(k for k in group if k in _PARSERS)
     follow = {"dtype_kv": "dtype_q", "dtype_o": "dtype_q", "head_dim_vo": "head_dim_qk"}
-    free = [k for k in keys if group[k] != SAME_AS_Q]
+    free = [k for k in keys if group[k] not in (SAME_AS_Q, DEFAULT_OUTPUT)]
     out = Expansion()
     for combo in itertools.product(*(_values(k, group[k]) for k in free)):
         raw = dict(zip(free, combo))
@@ -93,6 +108,8 @@ def _expand_group(group: dict, where: str) -> Expansion:
                 raw[key] = raw[source]
         try:
             kwargs = {k: _PARSERS[k](v) for k, v in raw.items()}
+            if group.get("dtype_o") == DEFAULT_OUTPUT:
+                kwargs["dtype_o"] = kwargs["dtype_q"].default_output
             spec = KernelSpec(**kwargs)
         except (TypeError, ValueError, KeyError) as exc:
             raise ManifestError(f"{where}: {exc}") from exc
@@ -116,7 +133,9 @@ def expand(data: dict, source: str = "<manifest>") -> Expansion:
     seen = set()
     for index, group in enumerate(groups):
         label = group.get("name", f"group {index}")
-        part = _expand_group({**defaults, **group}, f"{source}: {label}")
+        where = f"{source}: {label}"
+        merged = {**_expand_head_dim(defaults, f"{source}: defaults"), **_expand_head_dim(group, where)}
+        part = _expand_group(merged, where)
         for spec in part.specs:
             if spec not in seen:
                 seen.add(spec)

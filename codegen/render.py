@@ -94,9 +94,14 @@ def _metadata(spec: KernelSpec, uri: str, files: dict[str, str]) -> str:
 
 
 def write(module: RenderedModule, out_dir: Path) -> Path:
-    """Write the module into out_dir/<uri>/, leaving unchanged files untouched (so ninja does not
+    """Write the module into out_dir/<uri>/."""
+    return write_files(module, Path(out_dir) / module.uri)
+
+
+def write_files(module: RenderedModule, folder: Path) -> Path:
+    """Write the module's files into `folder`, leaving unchanged files untouched (so ninja does not
     rebuild them) and removing files the module no longer has."""
-    folder = Path(out_dir) / module.uri
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in module.files.items():
         path = folder / name

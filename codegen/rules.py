@@ -78,13 +78,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "fa3-needs-sm90a",
-        "fa3 kernels use wgmma/TMA/setmaxnreg, which only sm_90a has; archs are {s.archs}",
+        "fa3 kernels use wgmma/TMA/setmaxnreg, which only sm_90a has; archs are {s.arch_list}",
         "add sm90a to the target archs, or use backend fa2",
         lambda s: _fa3(s) and Arch.SM90A not in s.archs,
     ),
     Rule(
         "fa3-only-sm90a",
-        "an fa3 module is Hopper-only but also targets {s.archs}",
+        "an fa3 module is Hopper-only but also targets {s.arch_list}",
         "build fa3 for sm90a alone and fa2 for the other archs",
         lambda s: _fa3(s) and any(a is not Arch.SM90A for a in s.archs),
     ),

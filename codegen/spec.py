@@ -46,7 +46,7 @@ class Arch(Enum):
 
     @property
     def major(self) -> int:
-        return int(self.value[:-2] if self.value.endswith("a") else self.value) // 10
+        return int(self.value.removesuffix("a")) // 10
 
     @classmethod
     def parse(cls, text: str) -> "Arch":
@@ -82,6 +82,10 @@ class KernelSpec:
         # Canonical arch order so that equal target sets give equal specs and uris.
         ordered = tuple(sorted(set(self.archs), key=lambda a: list(Arch).index(a)))
         object.__setattr__(self, "archs", ordered)
+
+    @property
+    def arch_list(self) -> str:
+        return ", ".join("sm_" + a.value for a in self.archs)
 
     @property
     def name(self) -> str:

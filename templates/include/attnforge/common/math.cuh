@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 namespace attnforge::common {
 
@@ -28,5 +29,25 @@ __device__ __forceinline__ float lane_group_sum(float x) {
   for (int offset = kLanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
+
+}  // namespace attnforge::common
+
+namespace attnforge::common {
+
+// n / d and n % d for a divisor fixed per CTA, by multiply-high (Granlund-Montgomery, round-up
+// variant); exact for 0 <= n < 2^31. Built once per CTA: the 64-bit division stays out of loops.
+struct FastDivmod {
+  uint32_t divisor, mul, shift;
+
+  __device__ __forceinline__ explicit FastDivmod(int d) : divisor(d) {
+    shift = 32 - __clz(d - 1);
+    mul = static_cast<uint32_t>(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
+  }
+  __device__ __forceinline__ int div(int n) const { return (__umulhi(uint32_t(n), mul) + uint32_t(n)) >> shift; }
+  __device__ __forceinline__ void divmod(int n, int& q, int& r) const {
+    q = div(n);
+    r = n - q * int(divisor);
+  }
+};
 
 }  // namespace attnforge::common

@@ -1,11 +1,11 @@
 // Role: FA2 batch decode over a paged KV cache on CUDA cores (one query token per request).
 //
 // Contract:
-//   grid  = (work_capacity * num_head_tiles, num_kv_heads); block = (kBdx, kHeadsPerCta, kBdz).
+//   grid  = (work_capacity * num_head_tiles, num_kv_heads); block = (kBdx, kBdy, kBdz), 128 threads.
 //   A CTA takes one planned work item (request, kv token range [begin, end)) for one kv head and
 //   up to kHeadsPerCta of the query heads that share it, so K/V are read once per group.
-//   Thread (tx, ty, tz): tx owns kVec consecutive elements of the head dim, ty one query head,
-//   tz one "token lane" that walks its own slice of every KV tile.
+//   Thread (tx, ty, tz): tx owns kVec consecutive elements of the head dim, ty a group of
+//   kHeadsPerThread query heads, tz one "token lane" that takes every kBdz-th row of a KV tile.
 //   K/V tiles stream through a kStages-deep cp.async ring; page ids for the tile after next are
 //   fetched one iteration ahead so the gather never waits on the page table.
 //   Output: softmax-normalized o and base-2 lse (log2 of the denominator plus the scaled max),
@@ -38,13 +38,16 @@ struct DecodeTraits {
 
   static constexpr int kVec = 16 / sizeof(DTypeKV);  // elements per 16-byte load
   static constexpr int kBdx = kHeadDim / kVec;       // threads spanning one KV row
-  static constexpr int kThreads = kBdx * kHeadsPerCta > 128 ? kBdx * kHeadsPerCta : 128;
-  static constexpr int kBdz = kThreads / (kBdx * kHeadsPerCta);  // token lanes
+  // A thread serves several heads so that each K/V element it loads and converts feeds all of
+  // them: the kernel is issue-bound long before it is bandwidth-bound otherwise. Four heads keep
+  // q and o (2 x 4 x kVec floats) in registers at 3+ CTAs per SM.
+  static constexpr int kHeadsPerThread = kHeadsPerCta < 4 ? kHeadsPerCta : 4;
+  static constexpr int kBdy = kHeadsPerCta / kHeadsPerThread;  // head groups per CTA
+  static constexpr int kThreads = 128;
+  static constexpr int kBdz = kThreads / (kBdx * kBdy);  // token lanes
   // 8 KB of K and 8 KB of V per stage: with 4 stages and 3 CTAs an SM keeps ~150 KB of loads in
   // flight, enough to cover HBM latency at full bandwidth.
-  static constexpr int kTileTokens = (8192 / (kHeadDim * int(sizeof(DTypeKV)))) > kBdz
-                                         ? 8192 / (kHeadDim * int(sizeof(DTypeKV)))
-                                         : kBdz;
+  static constexpr int kTileTokens = 8192 / (kHeadDim * int(sizeof(DTypeKV)));
   static constexpr int kTokensPerLane = kTileTokens / kBdz;
   static constexpr int kStages = 4;
   static constexpr int kChunksPerTile = kTileTokens * kBdx;  // 16-byte chunks in one K (or V) tile
@@ -52,17 +55,25 @@ struct DecodeTraits {
 
   static_assert(kHeadDim % (kVec * 8) == 0 && kBdx <= 32 && 32 % kBdx == 0,
                 "decode-head-dims: a KV row must span a power-of-two number of lanes within a warp");
+  static_assert(kBdz >= 1 && kBdx * kBdy * kBdz == kThreads, "decode block: lanes must tile 128 threads");
   static_assert(kChunksPerThread >= 1 && kChunksPerTile % kThreads == 0,
                 "decode tile: every thread must issue the same number of 16-byte copies");
   static_assert(kTileTokens % kBdz == 0, "decode tile: token lanes must split a tile evenly");
 
-  struct SharedStorage {
+  // Token-lane partial states, merged once the KV ring has drained: [kBdz][kHeadsPerCta][kHeadDim]
+  // and (m, d). They reuse the ring's memory, which keeps the CTA at 64 KB (3 per SM).
+  struct LaneStates {
+    float o[kBdz][kHeadsPerCta][kHeadDim];
+    float m[kBdz][kHeadsPerCta];
+    float d[kBdz][kHeadsPerCta];
+  };
+  struct Ring {
     alignas(16) DTypeKV k[kStages][kTileTokens * kHeadDim];
     alignas(16) DTypeKV v[kStages][kTileTokens * kHeadDim];
-    // Token-lane partial states, merged at the end: [kBdz][kHeadsPerCta][kHeadDim] and (m, d).
-    float lane_o[kBdz > 1 ? kBdz : 1][kHeadsPerCta][kHeadDim];
-    float lane_m[kBdz > 1 ? kBdz : 1][kHeadsPerCta];
-    float lane_d[kBdz > 1 ? kBdz : 1][kHeadsPerCta];
+  };
+  union SharedStorage {
+    Ring ring;
+    LaneStates lanes;
   };
 };
 
@@ -94,45 +105,71 @@ struct SoftmaxState {
   }
 };
 
+// One KV tile for this thread's heads: scores of its lane's tokens, then the online-softmax
+// update and P.V. q is pre-scaled so a dot product is already a base-2 logit.
 template <typename T>
 __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, const typename T::DTypeKV* v_tile,
-                                            const float (&q)[T::kVec], int first_row_token, int end_token,
-                                            float score_post_scale, SoftmaxState<T::kVec>& st) {
+                                            const float (&q)[T::kHeadsPerThread][T::kVec], int valid_rows,
+                                            float post_scale, SoftmaxState<T::kVec> (&st)[T::kHeadsPerThread]) {
   using Vec = common::Vec16<typename T::DTypeKV>;
+  constexpr int H = T::kHeadsPerThread;
   const int tx = threadIdx.x, tz = threadIdx.z;
-  float s[T::kTokensPerLane];
-  float tile_max = common::kNegInf;
+  float s[T::kTokensPerLane][H];
 #pragma unroll
   for (int j = 0; j < T::kTokensPerLane; ++j) {
-    const int row = tz * T::kTokensPerLane + j;
+    const int row = j * T::kBdz + tz;  // lanes interleave rows: neighbouring warps read neighbouring rows
     float kf[T::kVec];
     Vec::to_float(*reinterpret_cast<const uint4*>(k_tile + row * T::kHeadDim + tx * T::kVec), kf);
-    float dot = 0.f;
 #pragma unroll
-    for (int e = 0; e < T::kVec; ++e) dot = fmaf(q[e], kf[e], dot);
-    dot = common::lane_group_sum<T::kBdx>(dot);
-    if constexpr (T::kSoftCap) dot = score_post_scale * common::fast_tanh(dot);
-    s[j] = first_row_token + row < end_token ? dot : common::kNegInf;
-    tile_max = fmaxf(tile_max, s[j]);
+    for (int h = 0; h < H; ++h) {
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < T::kVec; ++e) dot = fmaf(q[h][e], kf[e], dot);
+      s[j][h] = dot;
+    }
   }
-  const float m_new = fmaxf(st.m, tile_max);
-  if (m_new == common::kNegInf) return;  // every token of this lane is past the end
-  st.rescale_to(m_new);
 #pragma unroll
   for (int j = 0; j < T::kTokensPerLane; ++j) {
-    const int row = tz * T::kTokensPerLane + j;
-    const float p = common::fast_exp2(s[j] - m_new);
-    st.d += p;
+    const bool valid = j * T::kBdz + tz < valid_rows;
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      float dot = common::lane_group_sum<T::kBdx>(s[j][h]);
+      if constexpr (T::kSoftCap) dot = post_scale * common::fast_tanh(dot);
+      s[j][h] = valid ? dot : common::kNegInf;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    float tile_max = s[0][h];
+#pragma unroll
+    for (int j = 1; j < T::kTokensPerLane; ++j) tile_max = fmaxf(tile_max, s[j][h]);
+    const float m_new = fmaxf(st[h].m, tile_max);
+    // -inf max: nothing valid yet; keep 2^(s - m) finite by measuring from 0 (p is 0 anyway).
+    const float m_safe = m_new == common::kNegInf ? 0.f : m_new;
+    if (m_new > st[h].m) st[h].rescale_to(m_safe);
+#pragma unroll
+    for (int j = 0; j < T::kTokensPerLane; ++j) {
+      s[j][h] = common::fast_exp2(s[j][h] - m_safe);
+      st[h].d += s[j][h];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < T::kTokensPerLane; ++j) {
+    const int row = j * T::kBdz + tz;
     float vf[T::kVec];
     Vec::to_float(*reinterpret_cast<const uint4*>(v_tile + row * T::kHeadDim + tx * T::kVec), vf);
 #pragma unroll
-    for (int e = 0; e < T::kVec; ++e) st.o[e] = fmaf(p, vf[e], st.o[e]);
+    for (int h = 0; h < H; ++h) {
+#pragma unroll
+      for (int e = 0; e < T::kVec; ++e) st[h].o[e] = fmaf(s[j][h], vf[e], st[h].o[e]);
+    }
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads) decode_kernel(const __grid_constant__ typename T::Params p) {
   using DTypeKV = typename T::DTypeKV;
+  constexpr int H = T::kHeadsPerThread;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   int32_t* plan = static_cast<int32_t*>(p.plan);
@@ -142,41 +179,43 @@ __global__ void __launch_bounds__(T::kThreads) decode_kernel(const __grid_consta
   const int head_tile = blockIdx.x % p.num_head_tiles;
   const int kv_head = blockIdx.y;
   const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
-  const int tid = tx + T::kBdx * (ty + T::kHeadsPerCta * tz);
-
-  const int group_head = head_tile * T::kHeadsPerCta + ty;
-  const bool head_active = group_head < p.group_size;
-  const int qo_head = kv_head * p.group_size + (head_active ? group_head : p.group_size - 1);
+  const int tid = tx + T::kBdx * (ty + T::kBdy * tz);
 
   const int request = plan[p.off_work_request + work];
   const int begin = plan[p.off_work_begin + work];
   const int end = plan[p.off_work_end + work];
   const int slot = plan[p.off_work_partial + work];
-  const int page_base = plan[p.off_indptr + request];
-  const int32_t* page_ids = static_cast<const int32_t*>(p.indices) + page_base;
+  const int32_t* page_ids = static_cast<const int32_t*>(p.indices) + plan[p.off_indptr + request];
 
-  // q row, pre-multiplied by the score scale so each dot product is already in log2 units.
-  float q[T::kVec];
-  {
-    using QVec = common::Vec16<typename T::DTypeQ>;
-    const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
-    QVec::to_float(*reinterpret_cast<const uint4*>(q_row + tx * T::kVec), q);
+  // This thread's heads: group slots head_tile * kHeadsPerCta + ty * H + h. Slots past the group
+  // (a tile that does not divide it) compute on a clamped head and store nothing.
+  const int first_slot = head_tile * T::kHeadsPerCta + ty * H;
+  float q[H][T::kVec];
 #pragma unroll
-    for (int e = 0; e < T::kVec; ++e) q[e] *= p.score_scale;
+  for (int h = 0; h < H; ++h) {
+    using QVec = common::Vec16<typename T::DTypeQ>;
+    const int qo_head = kv_head * p.group_size + min(first_slot + h, p.group_size - 1);
+    const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
+    QVec::to_float(*reinterpret_cast<const uint4*>(q_row + tx * T::kVec), q[h]);
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) q[h][e] *= p.score_scale;
   }
 
   // Each thread copies the same kChunksPerThread (row, column) chunks of every tile.
   const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
   const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.kv_stride_head;
+  const common::FastDivmod page_size(p.page_size);
   bool bad_page = false;
   auto row_offset = [&](int tile, int c) -> int64_t {
     const int chunk = tid + c * T::kThreads;
     const int token = begin + tile * T::kTileTokens + chunk / T::kBdx;
     if (token >= end) return -1;
-    const int page = __ldg(page_ids + token / p.page_size);
+    int page_index, in_page;
+    page_size.divmod(token, page_index, in_page);
+    const int page = __ldg(page_ids + page_index);
     const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
     bad_page |= !ok;
-    return (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(token % p.page_size) * p.kv_stride_token +
+    return (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token +
            (chunk % T::kBdx) * T::kVec;
   };
   auto issue = [&](int tile, const int64_t (&offsets)[T::kChunksPerThread]) {
@@ -187,8 +226,8 @@ __global__ void __launch_bounds__(T::kThreads) decode_kernel(const __grid_consta
       const int smem_idx = (chunk / T::kBdx) * T::kHeadDim + (chunk % T::kBdx) * T::kVec;
       const bool valid = offsets[c] >= 0;
       const int64_t off = valid ? offsets[c] : 0;
-      common::cp_async_16(&smem.k[stage][smem_idx], k_head + off, valid);
-      common::cp_async_16(&smem.v[stage][smem_idx], v_head + off, valid);
+      common::cp_async_16(&smem.ring.k[stage][smem_idx], k_head + off, valid);
+      common::cp_async_16(&smem.ring.v[stage][smem_idx], v_head + off, valid);
     }
   };
 
@@ -204,7 +243,7 @@ __global__ void __launch_bounds__(T::kThreads) decode_kernel(const __grid_consta
 #pragma unroll
   for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(T::kStages - 1, c);
 
-  SoftmaxState<T::kVec> st;
+  SoftmaxState<T::kVec> st[H];
   for (int tile = 0; tile < num_tiles; ++tile) {
     common::cp_async_wait<T::kStages - 2>();
     __syncthreads();
@@ -216,45 +255,59 @@ __global__ void __launch_bounds__(T::kThreads) decode_kernel(const __grid_consta
     for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(ahead + 1, c);
 
     const int stage = tile % T::kStages;
-    decode_tile<T>(smem.k[stage], smem.v[stage], q, begin + tile * T::kTileTokens, end, p.post_scale, st);
+    decode_tile<T>(smem.ring.k[stage], smem.ring.v[stage], q, end - begin - tile * T::kTileTokens, p.post_scale, st);
   }
   common::cp_async_wait<0>();
 
   // Merge the token lanes of each head (lane 0 keeps the result).
   if constexpr (T::kBdz > 1) {
+    __syncthreads();  // every lane is done reading the ring the lane states overwrite
 #pragma unroll
-    for (int e = 0; e < T::kVec; ++e) smem.lane_o[tz][ty][tx * T::kVec + e] = st.o[e];
-    if (tx == 0) {
-      smem.lane_m[tz][ty] = st.m;
-      smem.lane_d[tz][ty] = st.d;
+    for (int h = 0; h < H; ++h) {
+#pragma unroll
+      for (int e = 0; e < T::kVec; ++e) smem.lanes.o[tz][ty * H + h][tx * T::kVec + e] = st[h].o[e];
+      if (tx == 0) {
+        smem.lanes.m[tz][ty * H + h] = st[h].m;
+        smem.lanes.d[tz][ty * H + h] = st[h].d;
+      }
     }
     __syncthreads();
     if (tz == 0) {
       for (int lane = 1; lane < T::kBdz; ++lane) {
-        st.merge(smem.lane_m[lane][ty], smem.lane_d[lane][ty], &smem.lane_o[lane][ty][tx * T::kVec]);
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          st[h].merge(smem.lanes.m[lane][ty * H + h], smem.lanes.d[lane][ty * H + h],
+                      &smem.lanes.o[lane][ty * H + h][tx * T::kVec]);
+        }
       }
     }
   }
   bad_page = __syncthreads_or(bad_page);
-  if (tz != 0 || !head_active) return;
-
-  const float inv_d = st.d > 0.f ? 1.f / st.d : 0.f;
-  float out[T::kVec];
-#pragma unroll
-  for (int e = 0; e < T::kVec; ++e) out[e] = bad_page ? NAN : st.o[e] * inv_d;
-  const float lse = bad_page ? NAN : (st.d > 0.f ? st.m + log2f(st.d) : common::kNegInf);
+  if (tz != 0) return;
   if (bad_page && tid == 0) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
 
-  if (slot < 0) {
-    auto* o_row = static_cast<typename T::DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h;
-    *reinterpret_cast<uint4*>(o_row + tx * T::kVec) = common::Vec16<typename T::DTypeO>::from_float(out);
-    if (p.lse != nullptr && tx == 0) static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] = lse;
-  } else {
-    const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
-    float* partial = static_cast<float*>(p.tmp_v) + row * T::kHeadDim + tx * T::kVec;
 #pragma unroll
-    for (int e = 0; e < T::kVec; e += 4) *reinterpret_cast<float4*>(partial + e) = make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
-    if (tx == 0) static_cast<float*>(p.tmp_s)[row] = lse;
+  for (int h = 0; h < H; ++h) {
+    if (first_slot + h >= p.group_size) break;
+    const int qo_head = kv_head * p.group_size + first_slot + h;
+    const float inv_d = st[h].d > 0.f ? 1.f / st[h].d : 0.f;
+    float out[T::kVec];
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) out[e] = bad_page ? NAN : st[h].o[e] * inv_d;
+    const float lse = bad_page ? NAN : (st[h].d > 0.f ? st[h].m + log2f(st[h].d) : common::kNegInf);
+    if (slot < 0) {
+      auto* o_row = static_cast<typename T::DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h;
+      *reinterpret_cast<uint4*>(o_row + tx * T::kVec) = common::Vec16<typename T::DTypeO>::from_float(out);
+      if (p.lse != nullptr && tx == 0) static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] = lse;
+    } else {
+      const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
+      float* partial = static_cast<float*>(p.tmp_v) + row * T::kHeadDim + tx * T::kVec;
+#pragma unroll
+      for (int e = 0; e < T::kVec; e += 4) {
+        *reinterpret_cast<float4*>(partial + e) = make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
+      }
+      if (tx == 0) static_cast<float*>(p.tmp_s)[row] = lse;
+    }
   }
 }
 
@@ -268,7 +321,7 @@ cudaError_t launch_decode(const typename T::Params& p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(p.work_capacity * p.num_head_tiles, p.num_kv_heads);
-  const dim3 block(T::kBdx, T::kHeadsPerCta, T::kBdz);
+  const dim3 block(T::kBdx, T::kBdy, T::kBdz);
   decode_kernel<T><<<grid, block, kSmem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -1,0 +1,339 @@
+"""Batch decode benchmark: attnforge vs the copy bandwidth and torch SDPA, same run.
+
+    python -m attnforge.benchmarks.decode [--batch 1 16 64 256] [--kv-len 1024 4096 16384] [--out F.json]
+
+Shape (the acceptance config): bf16, 32 query / 8 kv heads, head_dim 128, page size 16,
+every request of the batch kv_len tokens long, pages scattered over the pool at random.
+
+Method: each kernel is timed with CUDA events around every call, after warm-up; the
+median over the iterations is reported. No L2 flush by default (the K/V read per call is
+4 MB to 17 GB against a 50-60 MB L2, so only the smallest cases can hit; --flush-l2 writes
+a 512 MB buffer between calls, outside the timed region). GB/s counts the bytes a decode
+must move once: q + K + V + o. The copy bandwidth is a ~4 GB device-to-device tensor copy
+in the same process, counting read + write bytes. The SDPA peers get a dense
+[B, Hkv, L, D] cache holding the same contents as the paged one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+NUM_QO_HEADS = 32
+NUM_KV_HEADS = 8
+HEAD_DIM = 128
+PAGE_SIZE = 16
+DTYPE = torch.bfloat16
+BYTES = 2  # per bf16 element
+PLAN_BATCHES = (1, 64, 256)
+PLAN_KV_LEN = 4096
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="attnforge bench decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes (default: 1 16 64 256)")
+    p.add_argument("--kv-len", type=int, nargs="+", default=[1024, 4096, 16384], help="kv length of every request")
+    p.add_argument("--layout", choices=["NHD", "HND"], default="NHD", help="paged cache layout (default NHD)")
+    p.add_argument("--iters", type=int, default=100, help="timed calls per kernel (median reported)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
+    p.add_argument("--flush-l2", action="store_true", help="write 512 MB between timed calls")
+    p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
+    p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")
+    p.add_argument("--out", help="also write the results as JSON to this file")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------
+# timing
+
+
+def time_cuda_us(fn, iters: int, warmup: int, flush=None) -> float:
+    """Median microseconds of fn() measured by CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    events = []
+    for _ in range(iters):
+        if flush is not None:
+            flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def copy_bandwidth_gbps(total_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy of total_bytes, counted as read + write."""
+    src = torch.empty(total_bytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = time_cuda_us(lambda: dst.copy_(src), iters=20, warmup=3)
+    del src, dst
+    return 2 * total_bytes / (us * 1e3)
+
+
+# ---------------------------------------------------------------------------------------
+# problem: one paged cache and the same contents as a dense cache
+
+
+@dataclass
+class Problem:
+    q: torch.Tensor  # [B, Hq, D]
+    cache: tuple  # (k, v) paged, NHD [P, page, Hkv, D] or HND [P, Hkv, page, D]
+    indptr: torch.Tensor  # [B + 1] int32 host
+    indices: torch.Tensor  # int32 device, a random subset of the pool
+    last_page_len: torch.Tensor  # [B] int32 host
+    dense_k: torch.Tensor  # [B, Hkv, L, D], what SDPA reads
+    dense_v: torch.Tensor
+
+    @property
+    def bytes_moved(self) -> int:
+        return BYTES * (2 * self.q.numel() + self.dense_k.numel() + self.dense_v.numel())
+
+
+def page_table(batch: int, kv_len: int, pool_pages: int, gen):
+    pages = math.ceil(kv_len / PAGE_SIZE)
+    indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32)
+    indices = torch.randperm(pool_pages, generator=gen)[: batch * pages].to(torch.int32)
+    last = torch.full((batch,), kv_len - (pages - 1) * PAGE_SIZE, dtype=torch.int32)
+    return indptr, indices.cuda(), last
+
+
+def to_pages(dense: torch.Tensor, layout: str) -> torch.Tensor:
+    """[B, Hkv, L, D] -> [B * pages, page, Hkv, D] (NHD) or [B * pages, Hkv, page, D] (HND)."""
+    b, h, length, d = dense.shape
+    pages = math.ceil(length / PAGE_SIZE)
+    padded = F.pad(dense, (0, 0, 0, pages * PAGE_SIZE - length)).view(b, h, pages, PAGE_SIZE, d)
+    by_page = padded.permute(0, 2, 3, 1, 4) if layout == "NHD" else padded.permute(0, 2, 1, 3, 4)
+    return by_page.reshape(b * pages, *by_page.shape[2:])  # copies: the pages become contiguous
+
+
+def make_problem(batch: int, kv_len: int, layout: str, seed: int = 0) -> Problem:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dense_k, dense_v = (
+        torch.randn(batch, NUM_KV_HEADS, kv_len, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen) for _ in "kv"
+    )
+    pool = batch * math.ceil(kv_len / PAGE_SIZE) + 64  # spare pages, so the table is a true subset
+    indptr, indices, last = page_table(batch, kv_len, pool, torch.Generator().manual_seed(seed))
+    cache = []
+    for dense in (dense_k, dense_v):
+        pages = to_pages(dense, layout)
+        paged = torch.randn(pool, *pages.shape[1:], dtype=DTYPE, device="cuda", generator=gen)
+        paged.index_copy_(0, indices.long(), pages)
+        del pages
+        cache.append(paged)
+    q = torch.randn(batch, NUM_QO_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+    return Problem(q, tuple(cache), indptr, indices, last, dense_k, dense_v)
+
+
+# ---------------------------------------------------------------------------------------
+# the contenders
+
+
+def attnforge_decode(problem: Problem, layout: str):
+    """Plans once and returns (run, out): run() is what gets timed."""
+    import attnforge
+
+    batch = problem.q.shape[0]
+    ws_bytes = attnforge.decode_workspace_size(batch, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, device=problem.q.device)
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(ws_bytes, dtype=torch.uint8, device="cuda"), kv_layout=layout
+    )
+    wrapper.plan(
+        problem.indptr, problem.indices, problem.last_page_len,
+        NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=DTYPE, kv_data_type=DTYPE,
+    )
+    out = torch.empty_like(problem.q)
+    return (lambda: wrapper.run(problem.q, problem.cache, out=out)), out
+
+
+def sdpa_decode(problem: Problem, backend):
+    """Returns (run, out) for torch SDPA pinned to backend, or raises with the reason."""
+    from torch.nn.attention import sdpa_kernel
+
+    q = problem.q.unsqueeze(2)  # [B, Hq, 1, D]
+    k, v, gqa = problem.dense_k, problem.dense_v, True
+    with sdpa_kernel(backend):
+        try:
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        except (RuntimeError, TypeError):
+            # backend without GQA support: give it explicitly repeated kv heads, if they fit
+            group = NUM_QO_HEADS // NUM_KV_HEADS
+            need = 2 * k.numel() * BYTES * group
+            if need > 0.8 * torch.cuda.mem_get_info()[0]:
+                raise RuntimeError(f"no enable_gqa and repeated kv heads need {need / 2**30:.1f} GiB")
+            k, v, gqa = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False
+            out = F.scaled_dot_product_attention(q, k, v)
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
+    return run, out.squeeze(2)
+
+
+# ---------------------------------------------------------------------------------------
+# one row of the table
+
+
+@dataclass
+class Row:
+    batch: int
+    kv_len: int
+    us: float
+    gbps: float
+    pct_copy_bw: float
+    cudnn_us: float | None
+    flash_us: float | None
+    ratio_vs_cudnn: float | None
+    notes: str = ""
+
+
+def verify(problem: Problem, layout: str) -> None:
+    """Ours vs attnforge.reference on this problem; raises AssertionError when wrong."""
+    from attnforge import reference
+
+    run, out = attnforge_decode(problem, layout)
+    out.fill_(math.nan)
+    run()
+    o_ref, _ = reference.batch_decode_paged(
+        problem.q, problem.cache, problem.indptr, problem.indices, problem.last_page_len, kv_layout=layout
+    )
+    err = (out.float() - o_ref).abs().max().item()
+    if not math.isfinite(err) or err > 2e-2:
+        raise AssertionError(f"attnforge decode disagrees with the reference: max |error| = {err}")
+
+
+def measure(batch: int, kv_len: int, args, copy_gbps: float, flush) -> Row:
+    from torch.nn.attention import SDPBackend
+
+    problem = make_problem(batch, kv_len, args.layout)
+    run, out = attnforge_decode(problem, args.layout)
+    us = time_cuda_us(run, args.iters, args.warmup, flush)
+    gbps = problem.bytes_moved / (us * 1e3)
+    peers, notes = {}, []
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        peers[name] = None
+        if args.no_peers:
+            continue
+        try:
+            peer_run, peer_out = sdpa_decode(problem, backend)
+            # same contents, same maths: a mismatch means the comparison is not like for like
+            err = (peer_out.float() - out.float()).abs().max().item()
+            if err > 5e-2:
+                notes.append(f"{name} output differs from ours by {err:.3g}")
+            peers[name] = time_cuda_us(peer_run, args.iters, args.warmup, flush)
+        except Exception as exc:  # a refusing backend is reported, not fatal
+            notes.append(f"{name} n/a: {str(exc).splitlines()[0][:120]}")
+    del problem
+    torch.cuda.empty_cache()
+    return Row(
+        batch, kv_len, us, gbps, 100.0 * gbps / copy_gbps, peers["cudnn"], peers["flash"],
+        us / peers["cudnn"] if peers["cudnn"] else None, "; ".join(notes),
+    )
+
+
+def plan_host_us(batch: int, layout: str, calls: int = 200) -> float:
+    """Median host time of one plan() call at kv_len 4096 (after warm-up)."""
+    import attnforge
+
+    indptr, indices, last = page_table(batch, PLAN_KV_LEN, batch * PLAN_KV_LEN // PAGE_SIZE, torch.Generator())
+    ws_bytes = attnforge.decode_workspace_size(batch, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, device=indices.device)
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout=layout)
+
+    def once():
+        wrapper.plan(indptr, indices, last, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE,
+                     q_data_type=DTYPE, kv_data_type=DTYPE)
+
+    for _ in range(20):
+        once()
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        once()
+        samples.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(samples)
+
+
+# ---------------------------------------------------------------------------------------
+# report
+
+
+def _fmt(x, spec=".1f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float) -> str:
+    lines = [
+        f"copy bandwidth (D2D, read+write): {copy_gbps:.0f} GB/s; first plan+run (includes the module "
+        f"build when not cached): {first_call_s:.1f} s",
+        "",
+        "| batch | kv len | time (µs) | GB/s | % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) | ours / cuDNN | notes |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.batch} | {r.kv_len} | {r.us:.1f} | {r.gbps:.0f} | {r.pct_copy_bw:.1f} | {_fmt(r.cudnn_us)} | "
+            f"{_fmt(r.flash_us)} | {_fmt(r.ratio_vs_cudnn, '.3f')} | {r.notes} |"
+        )
+    if plans:
+        lines += ["", f"| batch | plan() host time (µs, median, kv len {PLAN_KV_LEN}) |", "| ---: | ---: |"]
+        lines += [f"| {b} | {us:.1f} |" for b, us in plans.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        print("attnforge bench decode: needs a CUDA device", file=sys.stderr)
+        return 2
+    configs = [(b, n) for b in args.batch for n in args.kv_len]
+
+    # correctness first, on the smallest config; its wall time also shows the cold build
+    t0 = time.perf_counter()
+    try:
+        verify(make_problem(*min(configs, key=lambda c: c[0] * c[1]), args.layout), args.layout)
+    except AssertionError as exc:
+        print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
+        return 1
+    first_call_s = time.perf_counter() - t0
+    torch.cuda.empty_cache()
+
+    copy_gbps = copy_bandwidth_gbps()
+    flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device="cuda") if args.flush_l2 else None
+    flush = flush_buf.zero_ if flush_buf is not None else None
+    rows = [measure(b, n, args, copy_gbps, flush) for b, n in configs]
+    plans = {} if args.no_plan else {b: plan_host_us(b, args.layout) for b in PLAN_BATCHES}
+
+    print(markdown(rows, copy_gbps, plans, first_call_s))
+    if args.out:
+        report = dict(
+            device=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            shape=dict(dtype="bfloat16", num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
+                       head_dim=HEAD_DIM, page_size=PAGE_SIZE, layout=args.layout),
+            method=dict(timer="CUDA events per call, median", iters=args.iters, warmup=args.warmup,
+                        l2_flush=args.flush_l2, bytes="q + K + V + o", copy="4 GiB D2D copy, read + write"),
+            copy_bandwidth_gbps=copy_gbps,
+            first_plan_run_s=first_call_s,
+            rows=[asdict(r) for r in rows],
+            plan_host_us={str(b): us for b, us in plans.items()},
+        )
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""`attnforge`: the command line over the codegen package (generate, validate, list, matrix, bench).
+
+Every subcommand returns an exit status instead of raising: 0 success, 2 bad input or a spec that
+a rule refuses. Errors are one line; a traceback would mean a bug in attnforge, not in the input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+from . import manifest, matrix, render
+from .dtypes import DType
+from .rules import check
+from .spec import Arch, Backend, KernelSpec, Kind, PosEncoding
+
+EXIT_OK = 0
+EXIT_INVALID = 2  # the same status argparse uses for bad arguments
+
+INTRO = """\
+attnforge generates attention-kernel modules (CUDA sources plus a Python binding).
+
+A *spec* names one module: kind (decode/prefill), backend (fa2/fa3), the dtypes of q, kv and o,
+head dims, variant flags (sliding window, soft cap, ...) and target archs. A *manifest* is a TOML
+file listing many specs at once; the packaged default manifest holds what serving engines use.
+Every spec is checked against one table of rules; a refused spec says which rule and what to use
+instead, and nothing is written for it."""
+
+EXAMPLES = """\
+examples:
+  attnforge generate                             # the default manifest into ./generated
+  attnforge generate --kind decode --dtype-q fp16 --head-dim 128 --out build/
+  attnforge validate --backend fa3 --kind prefill --dtype-q bf16 --dtype-kv e4m3
+  attnforge list --manifest my_models.toml
+  attnforge matrix --kind decode
+  attnforge bench decode --help"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line instead of argparse's usage dump: the fix is usually obvious from the message.
+        self.exit(EXIT_INVALID, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+def _typed(parse, what: str):
+    """Wrap a parser so argparse reports its ValueError as a one-line usage error."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except (ValueError, KeyError) as exc:
+            raise argparse.ArgumentTypeError(str(exc) or f"bad {what} {text!r}") from None
+
+    convert.__name__ = what  # argparse names the argument type in some messages
+    return convert
+
+
+def _head_dim(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise ValueError(f"a head dim must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def _enum(cls):
+    return _typed(lambda text: cls(text.upper() if cls is PosEncoding else text.lower()), cls.__name__.lower())
+
+
+_DTYPE = _typed(DType.parse, "dtype")
+_HEAD_DIM = _typed(_head_dim, "head dim")
+_DTYPE_NAMES = ", ".join(d.short for d in DType)
+
+# Defaults of the spec options; None in the parsed namespace means "not given", so that
+# `generate` can tell a single spec from the manifest.
+_SPEC_DEFAULTS = dict(
+    kind=Kind.DECODE,
+    backend=Backend.FA2,
+    dtype_q=DType.BF16,
+    head_dim_qk=128,
+    pos_encoding=PosEncoding.NONE,
+    use_sliding_window=False,
+    use_logits_soft_cap=False,
+    use_custom_mask=False,
+    fp16_qk_reduction=False,
+    archs=[Arch.SM90A],
+)
+
+
+def _spec_options() -> argparse.ArgumentParser:
+    p = _Parser(add_help=False)
+    g = p.add_argument_group("spec options (any of them selects a single spec instead of a manifest)")
+    g.add_argument("--kind", type=_enum(Kind), metavar="KIND", help="decode (default) or prefill")
+    g.add_argument("--backend", type=_enum(Backend), metavar="BACKEND",
+                   help="fa2 (default; sm80 and newer) or fa3 (sm90a only)")
+    g.add_argument("--dtype-q", type=_DTYPE, metavar="DTYPE", help=f"query dtype: {_DTYPE_NAMES} (default bf16)")
+    g.add_argument("--dtype-kv", type=_DTYPE, metavar="DTYPE", help="KV-cache dtype (default: the query's)")
+    g.add_argument("--dtype-o", type=_DTYPE, metavar="DTYPE",
+                   help="output dtype (default: the query's; bf16 for an fp8 query)")
+    g.add_argument("--head-dim", "--head-dim-qk", dest="head_dim_qk", type=_HEAD_DIM, metavar="N",
+                   help="head dim of q and k, and of v unless --head-dim-vo is given (default 128)")
+    g.add_argument("--head-dim-vo", type=_HEAD_DIM, metavar="N", help="head dim of v and o, e.g. 128 with qk 192")
+    g.add_argument("--pos-encoding", type=_enum(PosEncoding), metavar="MODE",
+                   help="in-kernel positional encoding: " + ", ".join(p.value for p in PosEncoding) + " (default NONE)")
+    g.add_argument("--sliding-window", dest="use_sliding_window", action="store_true", default=None,
+                   help="compile in the sliding-window (window_left) path")
+    g.add_argument("--soft-cap", dest="use_logits_soft_cap", action="store_true", default=None,
+                   help="compile in the logits soft cap path")
+    g.add_argument("--custom-mask", dest="use_custom_mask", action="store_true", default=None,
+                   help="compile in a custom (user-given) mask")
+    g.add_argument("--fp16-qk-reduction", dest="fp16_qk_reduction", action="store_true", default=None,
+                   help="accumulate q.k in fp16 (fp16 query only)")
+    g.add_argument("--arch", dest="archs", action="append", type=_typed(Arch.parse, "arch"), metavar="ARCH",
+                   help="target arch, repeatable: " + ", ".join(a.value for a in Arch) + " (default 90a)")
+    return p
+
+
+def _manifest_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--manifest", type=Path, metavar="FILE",
+                   help="TOML manifest of specs (default: the packaged default manifest)")
+
+
+def _given_spec_fields(args: argparse.Namespace) -> dict:
+    fields = ("kind", "backend", "dtype_q", "dtype_kv", "dtype_o", "head_dim_qk", "head_dim_vo", "pos_encoding",
+              "use_sliding_window", "use_logits_soft_cap", "use_custom_mask", "fp16_qk_reduction", "archs")
+    return {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+
+
+def _spec_from(given: dict) -> KernelSpec:
+    fields = {**_SPEC_DEFAULTS, **given}
+    fields.setdefault("dtype_kv", fields["dtype_q"])
+    fields.setdefault("dtype_o", fields["dtype_q"].default_output)
+    fields.setdefault("head_dim_vo", fields["head_dim_qk"])
+    fields["archs"] = tuple(fields["archs"])
+    return KernelSpec(**fields)
+
+
+class _InputError(Exception):
+    """Bad input found after argument parsing (missing or malformed manifest, conflicting options)."""
+
+
+def _selection(args: argparse.Namespace) -> tuple[list[KernelSpec], manifest.Expansion | None]:
+    """The single spec of the spec options, or the manifest's expansion."""
+    given = _given_spec_fields(args)
+    if given:
+        if args.manifest is not None:
+            raise _InputError("give either --manifest or spec options, not both")
+        return [_spec_from(given)], None
+    expansion = _load_manifest(args.manifest)
+    return expansion.specs, expansion
+
+
+def _load_manifest(path: Path | None) -> manifest.Expansion:
+    path = path or manifest.default_manifest_path()
+    try:
+        return manifest.load(path)
+    except FileNotFoundError:
+        raise _InputError(f"manifest {path} does not exist") from None
+    except (OSError, manifest.ManifestError) as exc:
+        raise _InputError(str(exc).replace("\n", " ")) from None
+
+
+def _print_violations(spec: KernelSpec) -> bool:
+    """Print every rule the spec violates; True when there was at least one."""
+    violations = check(spec)
+    if violations:
+        print(f"refused {spec.name}:")
+        for rule in violations:
+            print(f"  {rule.render(spec)}")
+    return bool(violations)
+
+
+def _print_refused(expansion: manifest.Expansion) -> None:
+    for spec, violations in expansion.refused:
+        print(f"skipped {spec.name} ({', '.join(r.id for r in violations)})")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    specs, expansion = _selection(args)
+    # Check everything before writing anything, so a refused spec leaves the output folder alone.
+    if any([_print_violations(spec) for spec in specs]):
+        return EXIT_INVALID
+    modules = [render.render(spec) for spec in specs]
+    for module in modules:
+        print(f"wrote {render.write(module, args.out)}")
+    summary = f"{len(modules)} module(s) written to {args.out}"
+    if expansion is not None:
+        removed = render.prune(args.out, keep={m.uri for m in modules})
+        for uri in removed:
+            print(f"removed stale {uri}")
+        _print_refused(expansion)
+        ids = sorted({r.id for _, violations in expansion.refused for r in violations})
+        summary += f", {len(expansion.refused)} refused by rules" + (f" ({', '.join(ids)})" if ids else "")
+        summary += f", {len(removed)} stale removed"
+    print(summary)
+    return EXIT_OK
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    specs, expansion = _selection(args)
+    status = EXIT_OK
+    for spec in specs:
+        if _print_violations(spec):
+            status = EXIT_INVALID
+        else:
+            print(f"ok {spec.name}")
+    if expansion is not None:
+        # Groups with on_invalid = "skip" refuse these on purpose; they are reported, not errors.
+        _print_refused(expansion)
+    return status
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for spec in _load_manifest(args.manifest).specs:
+        print(spec.uri)
+    return EXIT_OK
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    kinds = [args.kind] if args.kind else list(Kind)
+    backends = [args.backend] if args.backend else list(Backend)
+    table = [row for row in matrix.rows(kinds, backends) if row.supported or not args.supported_only]
+    print(matrix.markdown(table), end="")
+    return EXIT_OK
+
+
+def _benchmarks() -> list[str]:
+    try:
+        package = importlib.import_module("attnforge.benchmarks")
+    except ImportError:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    available = _benchmarks()
+    if args.name not in available:
+        print(f"attnforge bench: error: unknown benchmark {args.name!r}; available: {', '.join(available) or 'none'}",
+              file=sys.stderr)
+        return EXIT_INVALID
+    module = importlib.import_module(f"attnforge.benchmarks.{args.name}")
+    return int(module.main(args.args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="attnforge", description=INTRO, epilog=EXAMPLES,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    spec_opts = _spec_options()
+
+    def add(name: str, func, help: str, epilog: str, parents=()):
+        p = sub.add_parser(name, help=help, description=help, epilog="example:\n  " + epilog,
+                           parents=list(parents), formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("generate", cmd_generate,
+            "Render module sources (one folder per module uri) for a manifest or a single spec. "
+            "With a manifest, folders of modules no longer in it are removed.",
+            "attnforge generate --kind decode --dtype-q bf16 --head-dim 256 --soft-cap --out build/", [spec_opts])
+    _manifest_option(p)
+    p.add_argument("--out", type=Path, default=Path("generated"), metavar="DIR",
+                   help="output folder (default: ./generated)")
+
+    p = add("validate", cmd_validate,
+            "Check specs against the rules; print 'ok <name>' or every violated rule with a suggestion. "
+            "Exit status 2 if any spec is refused.",
+            "attnforge validate --backend fa3 --kind prefill --dtype-q bf16 --dtype-kv e4m3", [spec_opts])
+    _manifest_option(p)
+
+    p = add("list", cmd_list, "Print the uri (module name) of every spec in a manifest.",
+            "attnforge list --manifest my_models.toml")
+    _manifest_option(p)
+
+    p = add("matrix", cmd_matrix, "Print the support matrix (markdown), computed from the rules.",
+            "attnforge matrix --kind decode --supported-only")
+    p.add_argument("--kind", type=_enum(Kind), metavar="KIND", help="only this kind (decode or prefill)")
+    p.add_argument("--backend", type=_enum(Backend), metavar="BACKEND", help="only this backend (fa2 or fa3)")
+    p.add_argument("--supported-only", action="store_true", help="omit refused combinations")
+
+    p = add("bench", cmd_bench, "Run a benchmark from attnforge.benchmarks; the remaining arguments go to it.",
+            "attnforge bench decode --help")
+    p.add_argument("name", help="benchmark name, e.g. decode")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help or a usage error; argparse already printed the message
+        return exc.code if isinstance(exc.code, int) else EXIT_INVALID
+    try:
+        return args.func(args)
+    except _InputError as exc:
+        print(f"attnforge {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""attnforge: attention kernels generated per spec, with FlashInfer-compatible plan()/run() wrappers.
+
+    import attnforge
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+    wrapper.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                 q_data_type=torch.bfloat16)
+    o = wrapper.run(q, (k_cache, v_cache))
+
+LSE outputs are base 2 (log2 of the softmax denominator plus the scaled max), as FlashInfer's.
+Importing the package does not import torch; the wrappers do on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "single_decode_with_kv_cache",
+    "decode_workspace_size",
+    "merge_state",
+    "merge_states",
+    "UnsupportedSpecError",
+]
+
+_log = logging.getLogger("attnforge")
+if not _log.handlers:
+    # A first-use compile takes seconds: say so by default instead of looking hung.
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[attnforge] %(message)s"))
+    _log.addHandler(_handler)
+    _log.setLevel(os.environ.get("ATTNFORGE_LOG_LEVEL", "INFO").upper())
+
+_LAZY = {
+    "BatchDecodeWithPagedKVCacheWrapper": ("attnforge.decode", "BatchDecodeWithPagedKVCacheWrapper"),
+    "single_decode_with_kv_cache": ("attnforge.decode", "single_decode_with_kv_cache"),
+    "decode_workspace_size": ("attnforge.decode", "decode_workspace_size"),
+    "merge_state": ("attnforge.merge", "merge_state"),
+    "merge_states": ("attnforge.merge", "merge_states"),
+    "UnsupportedSpecError": ("attnforge.codegen.rules", "UnsupportedSpecError"),
+}
+
+
+def __getattr__(name: str):
+    # The CLI imports attnforge.codegen without paying for torch; the API loads on first touch.
+    if name in _LAZY:
+        import importlib
+
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'attnforge' has no attribute {name!r}")

@@ -1,0 +1,69 @@
+"""Argument checks for the public API. Each failure names the argument, what was expected and
+what was given. Checks read tensor metadata only: none of them synchronizes with the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tensor(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def dtype(x: torch.Tensor, name: str, expected: torch.dtype, why: str = "") -> None:
+    if x.dtype != expected:
+        because = f" ({why})" if why else ""
+        raise ValueError(f"{name}: expected dtype {expected}{because}, got {x.dtype}")
+
+
+def device(x: torch.Tensor, name: str, expected: torch.device) -> None:
+    if x.device != expected:
+        raise ValueError(f"{name}: expected a tensor on {expected} (where plan() ran), got one on {x.device}")
+
+
+def shape(x: torch.Tensor, name: str, expected: tuple, layout: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)} ({layout}), got {tuple(x.shape)}")
+
+
+def vector_aligned(x: torch.Tensor, name: str) -> None:
+    """Kernels move 16-byte vectors along the last dim: it must be contiguous and 16-byte aligned,
+    and every other stride a whole number of vectors."""
+    per_vector = 16 // x.element_size()
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(x.stride())}")
+    if x.data_ptr() % 16 or any(s % per_vector for s in x.stride()[:-1]):
+        raise ValueError(f"{name}: expected 16-byte aligned rows (strides multiple of {per_vector} elements, "
+                         f"aligned storage), got strides {tuple(x.stride())} at address {x.data_ptr():#x}")
+
+
+def host_int32(x, name: str, length: int | None = None) -> torch.Tensor:
+    """A 1-D int32 tensor on the host. A CUDA tensor is copied over (which waits for the GPU:
+    pass host tensors, as FlashInfer users do, to keep plan() asynchronous)."""
+    tensor(x, name)
+    if x.dtype != torch.int32:
+        raise ValueError(f"{name}: expected dtype torch.int32, got {x.dtype}")
+    if x.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
+    if length is not None and x.numel() != length:
+        raise ValueError(f"{name}: expected {length} entries, got {x.numel()}")
+    return x.to("cpu").contiguous() if x.is_cuda else x.contiguous()
+
+
+def positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def scale(value, name: str) -> float | None:
+    """A per-tensor scale given as a Python number (tensor scales arrive with fp8 kernels)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: tensor scales are only supported with an fp8 KV cache; pass a float")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}: expected a positive float or None, got {value!r}")
+    return float(value)

@@ -1,0 +1,457 @@
+"""Batch decode over a paged KV cache: FlashInfer's BatchDecodeWithPagedKVCacheWrapper API.
+
+plan() validates the page table, derives the kernel spec from its arguments (building the module
+on first use), schedules on the host through the module's C++ planner, and uploads the plan with
+one asynchronous copy. run() checks its tensors' metadata, patches their pointers into the
+parameter struct built by plan(), and launches on the caller's current stream: it never waits for
+the GPU, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
+from attnforge.codegen.dtypes import DType
+from attnforge.codegen.spec import PosEncoding
+
+from . import checks, dispatch
+from .loader import Module, load
+from .planner import (
+    MAX_CTAS_PER_SM_BOUND,
+    MIN_CHUNK_TOKENS,
+    PlanLayout,
+    heads_per_cta,
+    partial_bytes,
+    work_capacity,
+)
+from .settings import settings
+
+LOG2_E = math.log2(math.e)
+KV_LAYOUTS = ("NHD", "HND")
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _decode_module(backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType, head_dim: int,
+                   pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
+                   device_index: int) -> Module:
+    """The decode module for planned arguments; cached so a steady-state plan() costs no spec
+    hashing or file-system checks (refusals raise and are not cached)."""
+    spec = dispatch.decode_spec(
+        backend=backend, dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_o, head_dim=head_dim,
+        pos_encoding=pos_encoding, use_sliding_window=use_sliding_window,
+        use_logits_soft_cap=use_logits_soft_cap, archs=dispatch.device_archs(device_index))
+    return load(spec)
+
+
+@functools.cache
+def _max_ctas(module: Module, heads: int, device_index: int) -> int:
+    ctas_per_sm = ctypes.c_int32()
+    module.check(module.fns["decode_occupancy"](heads, device_index, ctypes.byref(ctas_per_sm)), "decode occupancy query")
+    return _num_sms(device_index) * max(ctas_per_sm.value, 1)
+
+
+def decode_workspace_size(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, device=None) -> int:
+    """Bytes of float workspace that any decode plan of this shape fits in (split-KV partials).
+    Use it to size `float_workspace_buffer`; plan() reports the exact need when a buffer is short."""
+    checks.positive_int(batch_size, "batch_size")
+    checks.positive_int(num_kv_heads, "num_kv_heads")
+    device = torch.device(device if device is not None else "cuda")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    group = num_qo_heads // num_kv_heads
+    _, tiles = heads_per_cta(max(group, 1))
+    capacity = work_capacity(batch_size, _num_sms(index) * MAX_CTAS_PER_SM_BOUND, num_kv_heads * tiles)
+    v_bytes, s_bytes = partial_bytes(capacity, num_qo_heads, head_dim)
+    return v_bytes + s_bytes
+
+
+@dataclass
+class _Plan:
+    """What run() needs from plan()."""
+
+    module: Module
+    params: ctypes.Structure
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype_q: torch.dtype
+    dtype_kv: torch.dtype
+    dtype_o: torch.dtype
+    sm_scale: float
+    soft_cap: float
+    window_left: int
+    host_max_page: int | None  # known when indices came from the host
+    indices: torch.Tensor  # kept alive: the kernel reads it
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Decode attention for a batch of requests, each one query token against its paged KV.
+
+    Same constructor, plan() and run() arguments as FlashInfer's wrapper (use_tensor_cores=False
+    path). LSE is base 2: log2(sum_j exp(s_j)) where s_j are the scaled (soft-capped) logits.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto",
+                 jit_args=None) -> None:
+        checks.tensor(float_workspace_buffer, "float_workspace_buffer")
+        if not float_workspace_buffer.is_cuda or not float_workspace_buffer.is_contiguous():
+            raise ValueError("float_workspace_buffer: expected a contiguous CUDA tensor, got "
+                             f"{'a non-contiguous' if float_workspace_buffer.is_cuda else 'a ' + str(float_workspace_buffer.device)} tensor")
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
+        if use_tensor_cores:
+            raise ValueError("use_tensor_cores=True runs decode on the prefill kernels, which this version does not "
+                             "have yet; use use_tensor_cores=False (the CUDA-core decode kernel)")
+        if jit_args is not None:
+            raise ValueError("jit_args: custom attention variants are not supported; leave jit_args=None")
+        self._backend = dispatch.parse_backend(backend)
+        self._workspace = float_workspace_buffer
+        self._device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._graph = bool(use_cuda_graph)
+        self._graph_batch_size = None
+        self._graph_indices = None
+        if self._graph:
+            if paged_kv_indices_buffer is None:
+                raise ValueError("paged_kv_indices_buffer: use_cuda_graph=True needs a preallocated int32 CUDA buffer "
+                                 "for the page ids, so the captured kernels read a fixed address")
+            checks.tensor(paged_kv_indices_buffer, "paged_kv_indices_buffer")
+            checks.dtype(paged_kv_indices_buffer, "paged_kv_indices_buffer", torch.int32)
+            checks.device(paged_kv_indices_buffer, "paged_kv_indices_buffer", self._device)
+            self._graph_indices = paged_kv_indices_buffer
+            if paged_kv_indptr_buffer is not None:
+                self._graph_batch_size = paged_kv_indptr_buffer.numel() - 1
+        self._int_workspace = torch.empty(0, dtype=torch.int32, device=self._device)
+        self._host_image = torch.empty(0, dtype=torch.int32)
+        self._upload_done: torch.cuda.Event | None = None
+        self._plan: _Plan | None = None
+        self._debug = settings().debug  # ATTNFORGE_DEBUG, read once per wrapper
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._graph
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
+             logits_soft_cap: float | None = None, q_data_type="float16", kv_data_type=None, data_type=None,
+             sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+             non_blocking: bool = True, block_tables=None, seq_lens=None, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False, o_data_type=None) -> None:
+        """Schedule a batch. indptr [batch+1] and last_page_len [batch] are int32 host tensors;
+        indices holds the page ids (int32, on the workspace's device or the host)."""
+        if block_tables is not None or seq_lens is not None:
+            raise ValueError("block_tables/seq_lens: pass the page table as indptr, indices and last_page_len")
+        indptr = checks.host_int32(indptr, "indptr")
+        batch_size = indptr.numel() - 1
+        if batch_size < 1:
+            raise ValueError(f"indptr: expected at least 2 entries (batch_size + 1), got {indptr.numel()}")
+        last_page_len = checks.host_int32(last_page_len, "last_page_len", batch_size)
+        checks.tensor(indices, "indices")
+        checks.dtype(indices, "indices", torch.int32)
+        if indices.dim() != 1:
+            raise ValueError(f"indices: expected a 1-D tensor of page ids, got shape {tuple(indices.shape)}")
+        num_qo_heads = checks.positive_int(num_qo_heads, "num_qo_heads")
+        num_kv_heads = checks.positive_int(num_kv_heads, "num_kv_heads")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        head_dim = checks.positive_int(head_dim, "head_dim")
+        page_size = checks.positive_int(page_size, "page_size")
+        if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+            raise ValueError(f"window_left: expected -1 (no window) or a non-negative int, got {window_left!r}")
+        soft_cap = float(logits_soft_cap or 0.0)
+        if soft_cap < 0 or not math.isfinite(soft_cap):
+            raise ValueError(f"logits_soft_cap: expected None, 0 or a positive float, got {logits_soft_cap!r}")
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(head_dim)
+        elif not (isinstance(sm_scale, (int, float)) and sm_scale > 0 and math.isfinite(sm_scale)):
+            raise ValueError(f"sm_scale: expected a positive float or None, got {sm_scale!r}")
+        if fixed_split_size is not None and fixed_split_size != -1:
+            checks.positive_int(fixed_split_size, "fixed_split_size")
+        if self._graph and self._graph_batch_size not in (None, batch_size):
+            raise ValueError(f"indptr: this CUDA-graph wrapper was planned for batch_size={self._graph_batch_size}, "
+                             f"got {batch_size}; a captured graph has a fixed batch size")
+
+        if data_type is not None:
+            q_data_type = kv_data_type = data_type if kv_data_type is None else kv_data_type
+        dtype_q = dispatch.to_dtype(q_data_type, "q_data_type")
+        dtype_kv = dispatch.to_dtype(kv_data_type, "kv_data_type", allow_none=True) or dtype_q
+        dtype_o = dispatch.to_dtype(o_data_type, "o_data_type", allow_none=True) or dtype_q.default_output
+        module = _decode_module(self._backend, dtype_q, dtype_kv, dtype_o, head_dim,
+                                dispatch.parse_pos_encoding(pos_encoding_mode), window_left >= 0, soft_cap > 0,
+                                self._device_index())
+
+        indices, host_max_page = self._stage_indices(indices, int(indptr[-1]))
+        group = num_qo_heads // num_kv_heads
+        heads, tiles = heads_per_cta(group)
+        ctas_per_request = num_kv_heads * tiles
+        max_ctas = _max_ctas(module, heads, self._device_index())
+        fixed_tokens = fixed_split_size * page_size if fixed_split_size and fixed_split_size > 0 else 0
+        capacity = work_capacity(batch_size, max_ctas, ctas_per_request)
+        if fixed_tokens and not self._graph:
+            capacity = max(capacity, batch_size + -(-int(indptr[-1]) * page_size // fixed_tokens))
+        if self._graph:
+            self._graph_batch_size = batch_size
+        layout = PlanLayout(batch_size, capacity)
+        image, device_image = self._image_buffers(layout.size)
+
+        binding = module.binding
+        args = binding.DecodePlanArgs(
+            indptr=indptr.data_ptr(), last_page_len=last_page_len.data_ptr(), image=image.data_ptr(),
+            batch_size=batch_size, page_size=page_size, num_indices=indices.numel(),
+            ctas_per_request=ctas_per_request, max_ctas=max_ctas, window_left=window_left,
+            fixed_split_tokens=fixed_tokens, disable_split_kv=int(bool(disable_split_kv)),
+            min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity, graph_mode=int(self._graph),
+            **layout.offsets())
+        info = binding.DecodePlanInfo()
+        status = module.fns["decode_plan"](ctypes.byref(args), ctypes.byref(info))
+        if status != 0:
+            raise ValueError(f"plan(): {module.last_error()}")
+
+        partials = capacity if self._graph else info.num_partials
+        v_bytes, s_bytes = partial_bytes(partials, num_qo_heads, head_dim)
+        available = self._workspace.numel() * self._workspace.element_size()
+        if v_bytes + s_bytes > available:
+            raise ValueError(
+                f"float_workspace_buffer: this plan needs {v_bytes + s_bytes} bytes for split-KV partials, the buffer "
+                f"has {available}; allocate at least attnforge.decode_workspace_size({batch_size}, {num_qo_heads}, "
+                f"{num_kv_heads}, {head_dim}) bytes")
+        device_image[: layout.size].copy_(image[: layout.size], non_blocking=True)
+        self._upload_done.record()
+
+        workspace_ptr = self._workspace.data_ptr()
+        params = binding.DecodeParams(
+            indices=indices.data_ptr(), plan=device_image.data_ptr(), tmp_v=workspace_ptr,
+            tmp_s=workspace_ptr + v_bytes, batch_size=batch_size, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, group_size=group, heads_per_cta=heads, num_head_tiles=tiles,
+            page_size=page_size, work_capacity=capacity if self._graph else info.num_work,
+            run_merge=int(self._graph or info.num_partials > 0), device=self._device_index(),
+            debug_sync=int(self._debug), **layout.offsets())
+        self._plan = _Plan(
+            module=module, params=params, batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, page_size=page_size, dtype_q=dispatch.torch_dtype(dtype_q),
+            dtype_kv=dispatch.torch_dtype(dtype_kv), dtype_o=dispatch.torch_dtype(dtype_o), sm_scale=float(sm_scale),
+            soft_cap=soft_cap, window_left=window_left, host_max_page=host_max_page, indices=indices)
+        self._set_scales(1.0, 1.0)
+
+    def _device_index(self) -> int:
+        return self._device.index if self._device.index is not None else torch.cuda.current_device()
+
+    def _stage_indices(self, indices: torch.Tensor, used: int) -> tuple[torch.Tensor, int | None]:
+        """Page ids on the device (the graph buffer under CUDA graphs); the largest id when the
+        caller gave them on the host, where checking costs nothing."""
+        host_max = None
+        if not indices.is_cuda:
+            host_max = int(indices[:used].max()) if used > 0 else -1
+            if used > 0 and int(indices[:used].min()) < 0:
+                raise ValueError("indices: page ids must be >= 0, got a negative id")
+        elif indices.device != self._device:
+            raise ValueError(f"indices: expected a tensor on {self._device} (the workspace's device), got {indices.device}")
+        if self._graph:
+            if self._graph_indices.numel() < indices.numel():
+                raise ValueError(f"paged_kv_indices_buffer: holds {self._graph_indices.numel()} page ids, the plan "
+                                 f"needs {indices.numel()}")
+            self._graph_indices[: indices.numel()].copy_(indices, non_blocking=True)
+            return self._graph_indices, host_max
+        return indices.to(self._device, non_blocking=True).contiguous(), host_max
+
+    def _image_buffers(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pinned host and device buffers for the plan image. The host buffer is refilled only
+        after its previous upload finished."""
+        if self._upload_done is not None:
+            self._upload_done.synchronize()
+        else:
+            self._upload_done = torch.cuda.Event()
+        if self._host_image.numel() < size:
+            self._host_image = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        if self._int_workspace.numel() < size:
+            if self._graph and self._int_workspace.numel() > 0:
+                raise ValueError("plan(): a CUDA-graph wrapper cannot grow its plan buffer; keep batch size and "
+                                 "heads fixed across plans")
+            self._int_workspace = torch.empty(size, dtype=torch.int32, device=self._device)
+        return self._host_image, self._int_workspace
+
+    def _set_scales(self, q_scale: float, k_scale: float) -> None:
+        plan = self._plan
+        sm_scale = plan.sm_scale * q_scale * k_scale
+        if plan.soft_cap > 0:
+            plan.params.score_scale = sm_scale / plan.soft_cap
+            plan.params.post_scale = plan.soft_cap * LOG2_E
+        else:
+            plan.params.score_scale = sm_scale * LOG2_E
+            plan.params.post_scale = LOG2_E
+
+    # ------------------------------------------------------------------ run
+    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+            enable_pdl: bool | None = None, window_left: int | None = None, sinks=None):
+        """Attention of q [batch, num_qo_heads, head_dim] over the planned pages of paged_kv_cache.
+        Returns o (planned o dtype), or (o, lse) with lse [batch, num_qo_heads] fp32 base 2."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() called before plan(): call plan() with the batch's page table first")
+        if args:
+            raise TypeError("run(): positional scales are only accepted with an fp8 query; pass q_scale/k_scale/"
+                            "v_scale as keywords")
+        if sinks is not None or enable_pdl:
+            raise ValueError("run(): attention sinks and PDL are not supported by the decode kernel")
+        if window_left is not None and window_left != plan.window_left:
+            raise ValueError(f"window_left: plan() was called with {plan.window_left}, run() got {window_left}; "
+                             "plan again to change the window")
+        checks.tensor(q, "q")
+        checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
+        checks.device(q, "q", self._device)
+        checks.shape(q, "q", (plan.batch_size, plan.num_qo_heads, plan.head_dim), "[batch_size, num_qo_heads, head_dim]")
+        checks.vector_aligned(q, "q")
+        k_cache, v_cache = self._split_cache(paged_kv_cache)
+        num_pages = k_cache.shape[0]
+        if plan.host_max_page is not None and plan.host_max_page >= num_pages:
+            raise ValueError(f"indices: page id {plan.host_max_page} is out of range for a cache of {num_pages} pages")
+
+        if out is None:
+            out = torch.empty(q.shape, dtype=plan.dtype_o, device=self._device)
+        else:
+            checks.tensor(out, "out")
+            checks.dtype(out, "out", plan.dtype_o, "o_data_type given to plan()")
+            checks.device(out, "out", self._device)
+            checks.shape(out, "out", q.shape, "same as q")
+            checks.vector_aligned(out, "out")
+        if return_lse:
+            if lse is None:
+                lse = torch.empty(q.shape[:2], dtype=torch.float32, device=self._device)
+            else:
+                checks.tensor(lse, "lse")
+                checks.dtype(lse, "lse", torch.float32)
+                checks.device(lse, "lse", self._device)
+                checks.shape(lse, "lse", q.shape[:2], "[batch_size, num_qo_heads]")
+                if not lse.is_contiguous():
+                    raise ValueError("lse: expected a contiguous tensor")
+
+        q_scale = checks.scale(q_scale, "q_scale")
+        k_scale = checks.scale(k_scale, "k_scale")
+        v_scale = checks.scale(v_scale, "v_scale")
+        self._set_scales(q_scale or 1.0, k_scale or 1.0)
+        params = plan.params
+        params.q, params.k, params.v = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        params.o, params.lse = out.data_ptr(), lse.data_ptr() if return_lse else None
+        params.q_stride_n, params.q_stride_h = q.stride(0), q.stride(1)
+        params.o_stride_n, params.o_stride_h = out.stride(0), out.stride(1)
+        params.num_pages = num_pages
+        stride_page, stride_token, stride_head = self._kv_strides(k_cache)
+        params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = stride_page, stride_token, stride_head
+        stream = torch.cuda.current_stream(self._device).cuda_stream
+        plan.module.check(plan.module.fns["decode_run"](ctypes.byref(params), stream), "decode run")
+        if params.debug_sync:
+            self._raise_kernel_errors()
+        if v_scale is not None and v_scale != 1.0:
+            out.mul_(v_scale)
+        return (out, lse) if return_lse else out
+
+    forward = run
+
+    def _split_cache(self, paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self._plan
+        if isinstance(paged_kv_cache, (tuple, list)):
+            if len(paged_kv_cache) != 2:
+                raise ValueError(f"paged_kv_cache: expected a (k_cache, v_cache) pair, got {len(paged_kv_cache)} tensors")
+            k_cache, v_cache = paged_kv_cache
+            checks.tensor(k_cache, "paged_kv_cache[0] (k_cache)")
+            checks.tensor(v_cache, "paged_kv_cache[1] (v_cache)")
+        else:
+            checks.tensor(paged_kv_cache, "paged_kv_cache")
+            if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+                raise ValueError(f"paged_kv_cache: a single tensor must be [num_pages, 2, ...] ({self._kv_layout} pages "
+                                 f"after the K/V axis), got shape {tuple(paged_kv_cache.shape)}")
+            k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+        per_page = ((plan.page_size, plan.num_kv_heads) if self._kv_layout == "NHD" else (plan.num_kv_heads, plan.page_size))
+        layout = "[num_pages, page_size, num_kv_heads, head_dim]" if self._kv_layout == "NHD" else \
+            "[num_pages, num_kv_heads, page_size, head_dim]"
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            checks.dtype(cache, name, plan.dtype_kv, "kv_data_type given to plan()")
+            checks.device(cache, name, self._device)
+            if cache.dim() != 4:
+                raise ValueError(f"{name}: expected a 4-D {self._kv_layout} cache {layout}, got shape {tuple(cache.shape)}")
+            checks.shape(cache, name, (cache.shape[0], *per_page, plan.head_dim), f"{self._kv_layout}: {layout}")
+            checks.vector_aligned(cache, name)
+        if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+            raise ValueError(f"paged_kv_cache: k and v caches must have equal shapes and strides, got "
+                             f"{tuple(k_cache.shape)}/{tuple(k_cache.stride())} and {tuple(v_cache.shape)}/{tuple(v_cache.stride())}")
+        return k_cache, v_cache
+
+    def _kv_strides(self, cache: torch.Tensor) -> tuple[int, int, int]:
+        """(page, token, head) strides in elements."""
+        if self._kv_layout == "NHD":
+            return cache.stride(0), cache.stride(1), cache.stride(2)
+        return cache.stride(0), cache.stride(2), cache.stride(1)
+
+    def _raise_kernel_errors(self) -> None:
+        torch.cuda.synchronize(self._device)
+        error = int(self._int_workspace[PLAN_HEADER.index("error")])
+        if error & PLAN_ERROR_BAD_PAGE:
+            raise RuntimeError(f"{self._plan.module.spec.uri}: fa2::decode_kernel read a page id outside [0, "
+                               f"{self._plan.params.num_pages}) from indices; the affected outputs are NaN")
+
+    def end_forward(self) -> None:
+        """FlashInfer compatibility: nothing to release."""
+
+
+_single_workspaces: dict[torch.device, torch.Tensor] = {}
+
+
+def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
+                                pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False, q_scale=None,
+                                k_scale=None, v_scale=None, window_left: int = -1, logits_soft_cap: float | None = None,
+                                sm_scale: float | None = None, rope_scale: float | None = None,
+                                rope_theta: float | None = None, return_lse: bool = False):
+    """Decode one query (q [num_qo_heads, head_dim]) against a contiguous KV: k/v are
+    [kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND).
+
+    Runs the batch kernel with the KV viewed as kv_len pages of one token, so split-KV spreads a
+    long context over the whole GPU."""
+    for name, x, dims in (("q", q, 2), ("k", k, 3), ("v", v, 3)):
+        checks.tensor(x, name)
+        if x.dim() != dims:
+            raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(x.shape)}")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
+    if k.shape != v.shape:
+        raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
+    token_dim, head_dim_axis = (0, 1) if kv_layout == "NHD" else (1, 0)
+    kv_len, num_kv_heads, head_dim = k.shape[token_dim], k.shape[head_dim_axis], k.shape[2]
+
+    def as_pages(x: torch.Tensor) -> torch.Tensor:
+        # [kv_len pages, 1 token, heads, head_dim], whatever the source layout.
+        t, h = x.stride(token_dim), x.stride(head_dim_axis)
+        return x.as_strided((kv_len, 1, num_kv_heads, head_dim), (t, t, h, x.stride(2)))
+
+    device = q.device
+    needed = decode_workspace_size(1, q.shape[0], num_kv_heads, head_dim, device)
+    workspace = _single_workspaces.get(device)
+    if workspace is None or workspace.numel() < needed:
+        workspace = _single_workspaces[device] = torch.empty(needed, dtype=torch.uint8, device=device)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
+    wrapper.plan(
+        torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32, device=device),
+        torch.tensor([1 if kv_len else 0], dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1,
+        pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+        q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+    result = wrapper.run(q.unsqueeze(0), (as_pages(k), as_pages(v)), q_scale=q_scale, k_scale=k_scale,
+                         v_scale=v_scale, return_lse=return_lse)
+    if return_lse:
+        return result[0].squeeze(0), result[1].squeeze(0)
+    return result.squeeze(0)

@@ -1,0 +1,90 @@
+"""From run-time arguments to a KernelSpec: dtype and arch mapping, backend resolution."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from attnforge.codegen.dtypes import DType
+from attnforge.codegen.rules import ensure_valid
+from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
+
+from .settings import settings
+
+BACKENDS = ("auto", "fa2", "fa3")
+_CAPABILITY_ARCH = {(8, 0): Arch.SM80, (8, 6): Arch.SM86, (8, 7): Arch.SM86, (8, 9): Arch.SM89, (9, 0): Arch.SM90A}
+
+
+def to_dtype(value, argument: str, *, allow_none: bool = False) -> DType | None:
+    """A torch dtype or its name ("bfloat16", "bf16") as a DType; errors name the argument."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, torch.dtype):
+        name = str(value).removeprefix("torch.")
+        for member in DType:
+            if member.torch_name == name:
+                return member
+        raise ValueError(f"{argument}: {value} is not an attention dtype; expected one of "
+                         f"{', '.join('torch.' + m.torch_name for m in DType)}")
+    if isinstance(value, str):
+        try:
+            return DType.parse(value)
+        except ValueError as exc:
+            raise ValueError(f"{argument}: {exc}") from None
+    raise TypeError(f"{argument}: expected a torch.dtype or a dtype name, got {type(value).__name__} {value!r}")
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    return getattr(torch, dtype.torch_name)
+
+
+@functools.cache
+def device_archs(device_index: int) -> tuple[Arch, ...]:
+    """Compile targets for a device: ATTNFORGE_CUDA_ARCH_LIST if set, else the device's own arch."""
+    override = settings().cuda_arch_list
+    if override:
+        return override
+    capability = torch.cuda.get_device_capability(device_index)
+    arch = _CAPABILITY_ARCH.get(capability)
+    if arch is None:
+        raise RuntimeError(f"cuda:{device_index} is sm_{capability[0]}{capability[1]}; attnforge builds for "
+                           f"{', '.join('sm_' + a.value for a in Arch)}")
+    return (arch,)
+
+
+def parse_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    return backend
+
+
+def parse_pos_encoding(mode) -> PosEncoding:
+    if isinstance(mode, PosEncoding):
+        return mode
+    try:
+        return PosEncoding(str(mode).upper())
+    except ValueError:
+        raise ValueError(f"pos_encoding_mode: expected one of {', '.join(m.value for m in PosEncoding)}, "
+                         f"got {mode!r}") from None
+
+
+def decode_spec(*, backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType, head_dim: int,
+                pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
+                archs: tuple[Arch, ...]) -> KernelSpec:
+    """The CUDA-core decode spec for the planned arguments. "auto" resolves to fa2 (the only
+    CUDA-core decode family); an explicit fa3 is refused by the rules with their suggestion."""
+    spec = KernelSpec(
+        kind=Kind.DECODE,
+        backend=Backend.FA3 if backend == "fa3" else Backend.FA2,
+        dtype_q=dtype_q,
+        dtype_kv=dtype_kv,
+        dtype_o=dtype_o,
+        head_dim_qk=head_dim,
+        head_dim_vo=head_dim,
+        pos_encoding=pos_encoding,
+        use_sliding_window=use_sliding_window,
+        use_logits_soft_cap=use_logits_soft_cap,
+        archs=archs,
+    )
+    return ensure_valid(spec)

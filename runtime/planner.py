@@ -1,0 +1,176 @@
+"""Decode planning: the plan-image layout, sizing helpers, and the pure-Python planner.
+
+The planner that runs in plan() is the C++ one inside each module (host/decode_plan.h): it keeps
+plan() within its budget at large batches. `plan_decode_oracle` here implements the same contract
+line for line; property tests check the two agree and that the plan covers every kv token once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnforge.codegen.abi import PLAN_HEADER
+
+# Split-KV never cuts a request into chunks shorter than this: shorter chunks cost more in merge
+# traffic than they win in parallelism.
+MIN_CHUNK_TOKENS = 128
+# Upper bound of resident CTAs per SM for any decode variant (2048 threads / 128 per CTA); used
+# only to size workspaces before a module is loaded.
+MAX_CTAS_PER_SM_BOUND = 16
+# Query heads per CTA the decode kernel is compiled for (attnforge.codegen.render).
+HEADS_PER_CTA_VARIANTS = (1, 2, 4, 8)
+
+
+def heads_per_cta(group_size: int) -> tuple[int, int]:
+    """(heads per CTA, head tiles) for a GQA group: the smallest variant holding the whole group,
+    else the largest variant tiled over it. Idle head slots cost only arithmetic, while every
+    extra tile re-reads the kv head (from L2 when tiles run side by side)."""
+    for heads in HEADS_PER_CTA_VARIANTS:
+        if group_size <= heads:
+            return heads, 1
+    heads = HEADS_PER_CTA_VARIANTS[-1]
+    return heads, -(-group_size // heads)
+
+
+def work_capacity(batch_size: int, max_ctas: int, ctas_per_request: int) -> int:
+    """Most work items the automatic planner can emit: one per request, or, when it splits, at
+    most max_ctas // ctas_per_request (its binary search guarantees that)."""
+    return max(batch_size, max_ctas // ctas_per_request, 1)
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Offsets (int32 elements) of the arrays in the plan image."""
+
+    batch_size: int
+    capacity: int
+
+    @property
+    def off_indptr(self) -> int:
+        return len(PLAN_HEADER)
+
+    @property
+    def off_work_request(self) -> int:
+        return self.off_indptr + self.batch_size + 1
+
+    @property
+    def off_work_begin(self) -> int:
+        return self.off_work_request + self.capacity
+
+    @property
+    def off_work_end(self) -> int:
+        return self.off_work_begin + self.capacity
+
+    @property
+    def off_work_partial(self) -> int:
+        return self.off_work_end + self.capacity
+
+    @property
+    def off_partial_indptr(self) -> int:
+        return self.off_work_partial + self.capacity
+
+    @property
+    def size(self) -> int:
+        return self.off_partial_indptr + self.batch_size + 1
+
+    def offsets(self) -> dict[str, int]:
+        names = ("indptr", "work_request", "work_begin", "work_end", "work_partial", "partial_indptr")
+        return {f"off_{name}": getattr(self, f"off_{name}") for name in names}
+
+
+def partial_bytes(num_partials: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
+    """(bytes of fp32 partial outputs, bytes of fp32 partial lse), the first rounded up to 256."""
+    v_bytes = num_partials * num_qo_heads * head_dim * 4
+    return -(-v_bytes // 256) * 256, num_partials * num_qo_heads * 4
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    image: list[int]
+    num_work: int
+    num_partials: int
+    chunk_tokens: int
+    max_chunks: int
+
+
+class PlanError(ValueError):
+    pass
+
+
+def plan_decode_oracle(
+    indptr: list[int],
+    last_page_len: list[int],
+    *,
+    page_size: int,
+    num_indices: int,
+    ctas_per_request: int,
+    max_ctas: int,
+    window_left: int = -1,
+    fixed_split_tokens: int = 0,
+    disable_split_kv: bool = False,
+    min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+    layout: PlanLayout,
+) -> PlanResult:
+    """Reference implementation of host/decode_plan.h (see its contract)."""
+    batch = len(last_page_len)
+    if indptr[0] < 0:
+        raise PlanError(f"indptr[0] = {indptr[0]}: indptr must start at >= 0")
+    if indptr[batch] > num_indices:
+        raise PlanError(f"indptr[-1] = {indptr[batch]} but indices holds only {num_indices} page ids")
+    begins, lengths = [], []
+    for r in range(batch):
+        pages = indptr[r + 1] - indptr[r]
+        if pages < 0:
+            raise PlanError(f"indptr[{r + 1}] < indptr[{r}]: indptr must be non-decreasing")
+        low = 1 if pages > 0 else 0
+        if not low <= last_page_len[r] <= page_size:
+            raise PlanError(f"last_page_len[{r}] = {last_page_len[r]}, expected a value in [{low}, page_size={page_size}]")
+        kv_len = (pages - 1) * page_size + last_page_len[r] if pages > 0 else 0
+        begin = max(0, kv_len - 1 - window_left) if window_left >= 0 else 0
+        begins.append(begin)
+        lengths.append(kv_len - begin)
+    longest = max(lengths, default=0)
+
+    def items_for(chunk: int) -> int:
+        return sum(max(1, -(-n // chunk)) for n in lengths)
+
+    chunk = max(longest, 1)
+    if disable_split_kv or batch * ctas_per_request >= max_ctas:
+        pass
+    elif fixed_split_tokens > 0:
+        chunk = fixed_split_tokens
+    else:
+        lo, hi = min_chunk_tokens, max(longest, min_chunk_tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if items_for(mid) * ctas_per_request <= max_ctas:
+                hi = mid
+            else:
+                lo = mid + 1
+        chunk = lo
+    num_work = items_for(chunk)
+    if num_work > layout.capacity:
+        raise PlanError(f"the plan needs {num_work} work items but has room for {layout.capacity}")
+
+    image = [0] * layout.size
+    items = []
+    partial_indptr = [0]
+    for r in range(batch):
+        chunks = max(1, -(-lengths[r] // chunk))
+        end = begins[r] + lengths[r]
+        for c in range(chunks):
+            slot = partial_indptr[r] + c if chunks > 1 else -1
+            items.append((r, min(end, begins[r] + c * chunk), min(end, begins[r] + (c + 1) * chunk), slot))
+        partial_indptr.append(partial_indptr[r] + (chunks if chunks > 1 else 0))
+    items.sort(key=lambda item: -(item[2] - item[1]))  # stable: longest first
+    for i, (request, begin, end, slot) in enumerate(items):
+        image[layout.off_work_request + i] = request
+        image[layout.off_work_begin + i] = begin
+        image[layout.off_work_end + i] = end
+        image[layout.off_work_partial + i] = slot
+    image[layout.off_indptr : layout.off_indptr + batch + 1] = indptr[: batch + 1]
+    image[layout.off_partial_indptr : layout.off_partial_indptr + batch + 1] = partial_indptr
+    image[PLAN_HEADER.index("num_work")] = num_work
+    image[PLAN_HEADER.index("num_partials")] = partial_indptr[batch]
+    max_chunks = max((max(1, -(-n // chunk)) for n in lengths), default=0)
+    return PlanResult(image, num_work, partial_indptr[batch], chunk, max_chunks)

@@ -1,0 +1,137 @@
+"""The `attnforge` command line, driven through main(argv) (exit status plus printed text)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from attnforge.codegen import manifest
+from attnforge.codegen.cli import main
+
+DECODE_128 = ["--kind", "decode", "--backend", "fa2", "--dtype-q", "bf16", "--head-dim", "128", "--arch", "80"]
+
+
+def test_generate_one_spec(tmp_path, capsys):
+    assert main(["generate", *DECODE_128, "--out", str(tmp_path)]) == 0
+    (folder,) = tmp_path.iterdir()
+    assert folder.name.startswith("decode_fa2_qbf16_kvbf16_obf16_i32_hd128_")
+    assert (folder / "metadata.json").is_file() and list(folder.glob("*.cu"))
+    out = capsys.readouterr().out
+    assert folder.name in out and "1 module(s) written" in out
+
+
+def test_generate_refused_spec_writes_nothing(tmp_path, capsys):
+    args = ["generate", "--kind", "decode", "--backend", "fa3", "--dtype-q", "bf16", "--dtype-kv", "e4m3",
+            "--head-dim", "128", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    out = capsys.readouterr().out
+    assert "decode-is-fa2" in out and "decode-fp8-kv-not-built" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_manifest_prunes_stale_modules_and_reports_refusals(tmp_path, capsys):
+    path = tmp_path / "m.toml"
+    path.write_text('[[group]]\nkind = "decode"\nbackend = "fa2"\ndtype_q = "fp16"\ndtype_kv = "same_as_q"\n'
+                    'dtype_o = "same_as_q"\nhead_dim = [64, 96]\narchs = "80"\n')
+    out_dir = tmp_path / "gen"
+    stale = out_dir / "decode_old_module"
+    stale.mkdir(parents=True)
+    (stale / "metadata.json").write_text("{}")
+    assert main(["generate", "--manifest", str(path), "--out", str(out_dir)]) == 0
+    (folder,) = out_dir.iterdir()
+    assert "_hd64_" in folder.name
+    out = capsys.readouterr().out
+    assert "1 refused by rules (decode-head-dims)" in out and "1 stale removed" in out
+
+
+def test_validate_valid(capsys):
+    assert main(["validate", *DECODE_128]) == 0
+    assert capsys.readouterr().out.startswith("ok decode_fa2_qbf16")
+
+
+def test_validate_invalid_prints_every_rule_with_its_suggestion(capsys):
+    args = ["validate", "--kind", "prefill", "--backend", "fa3", "--dtype-q", "fp16", "--dtype-kv", "e4m3",
+            "--dtype-o", "e4m3", "--arch", "90a"]
+    assert main(args) == 2
+    out = capsys.readouterr().out
+    for rule_id in ("fa3-fp8-kv-needs-fp8-q", "o-not-fp8", "prefill-not-built"):
+        assert f"[{rule_id}]" in out
+    assert "-> use backend fa2" in out
+
+
+def test_validate_default_manifest(capsys):
+    assert main(["validate"]) == 0
+    assert capsys.readouterr().out.count("ok ") == len(manifest.load(manifest.default_manifest_path()).specs)
+
+
+def test_head_dim_qk_and_vo(capsys):
+    assert main(["validate", "--head-dim-qk", "192", "--head-dim-vo", "128"]) == 2
+    assert "hd192x128" in capsys.readouterr().out
+
+
+def test_list_prints_uris(capsys):
+    assert main(["list"]) == 0
+    uris = capsys.readouterr().out.split()
+    assert uris == [s.uri for s in manifest.load(manifest.default_manifest_path()).specs]
+
+
+def test_matrix_names_rules(capsys):
+    assert main(["matrix", "--kind", "prefill", "--backend", "fa3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| kind |") and "fa3-fp8-kv-needs-fp8-q" in out and "| decode |" not in out
+
+
+def test_bench_unknown_name(capsys):
+    assert main(["bench", "no_such_benchmark", "--batch", "4"]) == 2
+    assert "unknown benchmark 'no_such_benchmark'" in capsys.readouterr().err
+
+
+def test_bench_forwards_the_remaining_arguments(tmp_path, monkeypatch, capsys):
+    # A stand-in benchmarks package, so the test does not depend on which benchmarks exist.
+    (tmp_path / "fake_bench.py").write_text("def main(argv):\n    print('got', argv)\n    return 3\n")
+    package = types.ModuleType("attnforge.benchmarks")
+    package.__path__ = [str(tmp_path)]
+    monkeypatch.setitem(sys.modules, "attnforge.benchmarks", package)
+    try:
+        assert main(["bench", "fake_bench", "--batch", "4", "--help"]) == 3
+    finally:
+        sys.modules.pop("attnforge.benchmarks.fake_bench", None)
+    assert "got ['--batch', '4', '--help']" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["validate", "--dtype-q", "bf17"], "unknown dtype 'bf17'"),
+        (["validate", "--head-dim", "12x"], "head dim must be a positive integer"),
+        (["validate", "--arch", "75"], "unknown arch"),
+        (["validate", "--kind", "encode"], "--kind"),
+        (["list", "--manifest", "/does/not/exist.toml"], "does not exist"),
+        (["generate", "--manifest", "m.toml", "--kind", "decode"], "not both"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_give_one_line_and_status_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_invalid_toml_manifest(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text("[[group]\n")
+    assert main(["validate", "--manifest", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid TOML" in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_explains_specs_and_gives_examples(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "spec" in out and "attnforge generate" in out
+    for command in ("generate", "validate", "list", "matrix", "bench"):
+        assert main([command, "--help"]) == 0
+        assert f"attnforge {command}" in capsys.readouterr().out.split("example:")[1]

@@ -1,0 +1,95 @@
+"""The rules table: every rule fires on an example, and the FlashInfer behaviours it encodes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from attnforge.codegen.dtypes import DType
+from attnforge.codegen.rules import RULES, RULES_BY_ID, UnsupportedSpecError, check, ensure_valid
+from attnforge.codegen.spec import Arch, Backend, Kind, PosEncoding
+
+FA3 = dict(backend=Backend.FA3, kind=Kind.PREFILL, archs=(Arch.SM90A,))
+
+# One change to the valid decode spec per rule id, enough to make that rule fire.
+EXAMPLES = {
+    "o-not-fp8": dict(dtype_o=DType.E4M3),
+    "no-archs": dict(archs=()),
+    "mixed-16bit-qkv": dict(dtype_kv=DType.FP16),
+    "fp8-q-needs-fp8-kv": dict(dtype_q=DType.E4M3),
+    "fa2-no-fp8-q": dict(dtype_q=DType.E4M3, dtype_kv=DType.E4M3),
+    "fa3-needs-sm90a": dict(FA3, archs=(Arch.SM80,)),
+    "fa3-only-sm90a": dict(FA3, archs=(Arch.SM80, Arch.SM90A)),
+    "fa3-fp8-kv-needs-fp8-q": dict(FA3, dtype_kv=DType.E4M3),
+    "fa3-same-dtype-family": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E5M2),
+    "fa3-no-custom-mask": dict(FA3, use_custom_mask=True),
+    "fa3-no-pos-encoding": dict(FA3, pos_encoding=PosEncoding.ROPE_LLAMA),
+    "fa3-no-fp16-qk-reduction": dict(FA3, fp16_qk_reduction=True),
+    "fa3-head-dims": dict(FA3, head_dim_qk=96, head_dim_vo=96),
+    "fa2-prefill-head-dims": dict(kind=Kind.PREFILL, head_dim_qk=96, head_dim_vo=96),
+    "fp16-qk-reduction-needs-fp16": dict(fp16_qk_reduction=True),
+    "decode-is-fa2": dict(backend=Backend.FA3, archs=(Arch.SM90A,)),
+    "decode-head-dims": dict(head_dim_qk=192),
+    "decode-no-custom-mask": dict(use_custom_mask=True),
+    "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
+    "decode-no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
+    "decode-fp8-kv-not-built": dict(dtype_kv=DType.E5M2),
+    "prefill-not-built": dict(kind=Kind.PREFILL),
+}
+
+
+def test_every_rule_has_an_example():
+    assert set(EXAMPLES) == set(RULES_BY_ID), "add an example for each new rule (and drop removed ones)"
+
+
+@pytest.mark.parametrize("rule_id", sorted(EXAMPLES))
+def test_rule_fires(decode_spec, rule_id):
+    spec = replace(decode_spec, **EXAMPLES[rule_id])
+    assert rule_id in [r.id for r in check(spec)]
+    with pytest.raises(UnsupportedSpecError) as info:
+        ensure_valid(spec)
+    assert rule_id in info.value.rule_ids
+
+
+def test_valid_decode_spec_passes(decode_spec):
+    assert check(decode_spec) == []
+    assert ensure_valid(decode_spec) is decode_spec
+
+
+def test_rules_are_complete_rows():
+    assert len({r.id for r in RULES}) == len(RULES)
+    for rule in RULES:
+        assert rule.id and rule.message.strip() and rule.suggestion.strip()
+
+
+def test_check_returns_every_violation_not_the_first(decode_spec):
+    spec = replace(decode_spec, dtype_o=DType.E4M3, head_dim_qk=96, head_dim_vo=96, use_custom_mask=True)
+    assert {"o-not-fp8", "decode-head-dims", "decode-no-custom-mask"} <= {r.id for r in check(spec)}
+
+
+# FlashInfer #2148/#2536: fa3 cannot take fp8 KV with a 16-bit query (auto falls back to fa2).
+@pytest.mark.parametrize("dtype_q", [DType.BF16, DType.FP16])
+@pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("kind", list(Kind))
+def test_fa3_refuses_fp8_kv_with_16bit_q_but_fa2_does_not(decode_spec, dtype_q, dtype_kv, kind):
+    base = replace(decode_spec, kind=kind, dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_q)
+    fa3 = replace(base, backend=Backend.FA3, archs=(Arch.SM90A,))
+    fa2 = replace(base, backend=Backend.FA2, archs=(Arch.SM80,))
+    assert "fa3-fp8-kv-needs-fp8-q" in [r.id for r in check(fa3)]
+    assert "fa3-fp8-kv-needs-fp8-q" not in [r.id for r in check(fa2)]
+
+
+def test_fa3_accepts_fp8_kv_with_the_same_fp8_q(decode_spec):
+    spec = replace(decode_spec, kind=Kind.PREFILL, backend=Backend.FA3, archs=(Arch.SM90A,),
+                   dtype_q=DType.E4M3, dtype_kv=DType.E4M3, dtype_o=DType.BF16)
+    ids = {r.id for r in check(spec)}
+    assert not ids & {"fa3-fp8-kv-needs-fp8-q", "fa3-same-dtype-family", "o-not-fp8"}
+
+
+@pytest.mark.parametrize("dtype_o", [d for d in DType if d.is_fp8])
+@pytest.mark.parametrize("backend", list(Backend))
+def test_fp8_output_is_refused(decode_spec, dtype_o, backend):
+    spec = replace(decode_spec, backend=backend, dtype_o=dtype_o)
+    assert "o-not-fp8" in [r.id for r in check(spec)]
+    assert "o-not-fp8" in str(pytest.raises(UnsupportedSpecError, ensure_valid, spec).value)
