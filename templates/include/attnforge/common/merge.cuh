@@ -28,9 +28,11 @@ __global__ void merge_partials_kernel(const __grid_constant__ Params p) {
 
   float m = kNegInf, d = 0.f;
   float acc[kCols] = {};
+  bool poisoned = false;  // a chunk that read a bad page id: the whole row must come out NaN
   for (int slot = first; slot < last; ++slot) {
     const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
     const float s = static_cast<const float*>(p.tmp_s)[row];
+    poisoned |= isnan(s);
     const float m_new = fmaxf(m, s);
     if (m_new == kNegInf) continue;
     const float a = fast_exp2(m - m_new);
@@ -43,13 +45,13 @@ __global__ void merge_partials_kernel(const __grid_constant__ Params p) {
     d = d * a + b;
     m = m_new;
   }
-  // NaN partials (a flagged page) must stay NaN, so the weights are not guarded further.
-  const float inv_d = d > 0.f ? 1.f / d : 0.f;
+  const float inv_d = poisoned ? NAN : (d > 0.f ? 1.f / d : 0.f);
   DTypeO* o_row = static_cast<DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h + threadIdx.x * kCols;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) o_row[c] = static_cast<DTypeO>(acc[c] * inv_d);
   if (p.lse != nullptr && threadIdx.x == 0) {
-    static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] = d > 0.f ? m + log2f(d) : kNegInf;
+    static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] =
+        poisoned ? NAN : (d > 0.f ? m + log2f(d) : kNegInf);
   }
 }
 
