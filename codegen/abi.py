@@ -45,6 +45,17 @@ def _struct(name: str, doc: str, *rows: tuple[str, str, str]) -> Struct:
 # Slots at the head of the int32 plan image, before the per-request and per-work arrays.
 PLAN_HEADER = ("num_work", "error", "num_partials", "reserved")
 
+# Where the per-request and per-work arrays sit in the plan image (int32 elements); the planner
+# writes them there and the kernels read them back, so both structs carry the same offsets.
+PLAN_OFFSETS = (
+    ("off_indptr", "int32_t", "plan image offset of indptr[batch+1]"),
+    ("off_work_request", "int32_t", "plan image offset of the work items' request ids"),
+    ("off_work_begin", "int32_t", "plan image offset of the work items' first kv token"),
+    ("off_work_end", "int32_t", "plan image offset of the work items' end kv token"),
+    ("off_work_partial", "int32_t", "plan image offset of the work items' partial slot (-1: write o)"),
+    ("off_partial_indptr", "int32_t", "plan image offset of the per-request partial slot ranges"),
+)
+
 DECODE_PARAMS = _struct(
     "DecodeParams",
     "Everything one batch-decode launch reads; built in plan(), tensor pointers patched in run().",
@@ -73,12 +84,7 @@ DECODE_PARAMS = _struct(
     ("page_size", "int32_t", "tokens per page"),
     ("num_pages", "int32_t", "pages in the cache; a page id outside [0, num_pages) is flagged"),
     ("work_capacity", "int32_t", "grid size in work items (static under CUDA graphs)"),
-    ("off_indptr", "int32_t", "plan image offset of indptr[batch+1]"),
-    ("off_work_request", "int32_t", "plan image offset of the work items' request ids"),
-    ("off_work_begin", "int32_t", "plan image offset of the work items' first kv token"),
-    ("off_work_end", "int32_t", "plan image offset of the work items' end kv token"),
-    ("off_work_partial", "int32_t", "plan image offset of the work items' partial slot (-1: write o)"),
-    ("off_partial_indptr", "int32_t", "plan image offset of the per-request partial slot ranges"),
+    *PLAN_OFFSETS,
     ("run_merge", "int32_t", "1 when some request is split and the merge kernel must run"),
     ("device", "int32_t", "CUDA device that holds the tensors"),
     ("debug_sync", "int32_t", "1: synchronize and check after every kernel"),
@@ -102,13 +108,7 @@ DECODE_PLAN_ARGS = _struct(
     ("disable_split_kv", "int32_t", "1: one work item per request"),
     ("min_chunk_tokens", "int32_t", "smallest chunk split-KV may cut"),
     ("work_capacity", "int32_t", "room for work items (and partial slots) in the image"),
-    ("graph_mode", "int32_t", "1: CUDA-graph plan (the merge always runs)"),
-    ("off_indptr", "int32_t", "see DecodeParams"),
-    ("off_work_request", "int32_t", "see DecodeParams"),
-    ("off_work_begin", "int32_t", "see DecodeParams"),
-    ("off_work_end", "int32_t", "see DecodeParams"),
-    ("off_work_partial", "int32_t", "see DecodeParams"),
-    ("off_partial_indptr", "int32_t", "see DecodeParams"),
+    *PLAN_OFFSETS,
 )
 
 DECODE_PLAN_INFO = _struct(
@@ -127,14 +127,22 @@ STRUCTS = (DECODE_PARAMS, DECODE_PLAN_ARGS, DECODE_PLAN_INFO)
 PLAN_ERROR_BAD_PAGE = 1
 
 
-def expected_abi_table(structs) -> list[int]:
-    """The table a module's `<uri>_abi()` reports, computed from ctypes mirrors of STRUCTS:
-    per struct its sizeof then each field's offset; then the plan-image header constants."""
+def expected_abi_table(mirrors) -> list[int]:
+    """The table a module's `<uri>_abi()` must report, computed from ctypes mirrors (a binding's
+    STRUCTS): per canonical struct its sizeof, then the offset of each canonical field looked up
+    BY NAME in the mirror (so a mirror with reordered fields disagrees); then the plan-image
+    header constants."""
+    by_name = {mirror.__name__: mirror for mirror in mirrors}
     table: list[int] = []
-    for struct in structs:
-        table.append(ctypes.sizeof(struct))
-        table.extend(getattr(struct, name).offset for name, _ in struct._fields_)
+    for struct in STRUCTS:
+        mirror = by_name.get(struct.name)
+        if mirror is None:
+            raise ValueError(f"the binding has no ctypes mirror of {struct.name}")
+        table.append(ctypes.sizeof(mirror))
+        for field in struct.fields:
+            table.append(getattr(getattr(mirror, field.name, None), "offset", -1))
     table.extend(
         [PLAN_HEADER.index("num_work"), PLAN_HEADER.index("error"), PLAN_HEADER.index("num_partials"), len(PLAN_HEADER), PLAN_ERROR_BAD_PAGE]
     )
     return table
+

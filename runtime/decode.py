@@ -154,7 +154,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
              non_blocking: bool = True, block_tables=None, seq_lens=None, fixed_split_size: int | None = None,
              disable_split_kv: bool = False, o_data_type=None) -> None:
         """Schedule a batch. indptr [batch+1] and last_page_len [batch] are int32 host tensors;
-        indices holds the page ids (int32, on the workspace's device or the host)."""
+        indices holds the page ids (int32, on the workspace's device or the host).
+        fixed_split_size (pages) cuts every request into chunks of that size; under CUDA graphs the
+        work-item capacity is static (max(batch, resident CTAs / CTAs per request)), and a fixed
+        split that needs more work items is refused with the count it needs."""
         if block_tables is not None or seq_lens is not None:
             raise ValueError("block_tables/seq_lens: pass the page table as indptr, indices and last_page_len")
         indptr = checks.host_int32(indptr, "indptr")
@@ -216,7 +219,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             batch_size=batch_size, page_size=page_size, num_indices=indices.numel(),
             ctas_per_request=ctas_per_request, max_ctas=max_ctas, window_left=window_left,
             fixed_split_tokens=fixed_tokens, disable_split_kv=int(bool(disable_split_kv)),
-            min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity, graph_mode=int(self._graph),
+            min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity,
             **layout.offsets())
         info = binding.DecodePlanInfo()
         status = module.fns["decode_plan"](ctypes.byref(args), ctypes.byref(info))

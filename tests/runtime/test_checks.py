@@ -1,0 +1,167 @@
+"""Argument errors of the public API (CPU): every message names the argument, what was expected
+and what was given, and refused specs name the rule and its suggestion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnforge import checks, dispatch
+from attnforge.codegen.dtypes import DType
+from attnforge.codegen.rules import RULES_BY_ID, UnsupportedSpecError
+from attnforge.codegen.spec import Arch, PosEncoding
+
+
+def _raises(exc, fn, *args, contains=(), **kwargs) -> str:
+    with pytest.raises(exc) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    for text in contains:
+        assert text in message, f"{text!r} not in {message!r}"
+    return message
+
+
+def test_tensor_names_argument_and_given_type():
+    _raises(TypeError, checks.tensor, [1, 2], "q", contains=("q", "torch.Tensor", "list"))
+    x = torch.zeros(2)
+    assert checks.tensor(x, "q") is x
+
+
+def test_dtype_names_expected_given_and_why():
+    x = torch.zeros(2, dtype=torch.float16)
+    _raises(ValueError, checks.dtype, x, "k_cache", torch.bfloat16, "kv_data_type given to plan()",
+            contains=("k_cache", "torch.bfloat16", "torch.float16", "kv_data_type given to plan()"))
+    checks.dtype(x, "k_cache", torch.float16)
+
+
+def test_device_names_expected_and_given():
+    x = torch.zeros(2)
+    _raises(ValueError, checks.device, x, "q", torch.device("cuda", 0), contains=("q", "cuda:0", "cpu"))
+    checks.device(x, "q", torch.device("cpu"))
+
+
+def test_shape_names_expected_given_and_layout():
+    x = torch.zeros(2, 3, 4)
+    _raises(ValueError, checks.shape, x, "q", (2, 3, 8), "[batch_size, num_qo_heads, head_dim]",
+            contains=("q", "(2, 3, 8)", "(2, 3, 4)", "[batch_size, num_qo_heads, head_dim]"))
+    checks.shape(x, "q", (2, 3, 4), "layout")
+
+
+def test_vector_aligned_refuses_strided_last_dim_and_odd_strides():
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    checks.vector_aligned(x, "q")
+    _raises(ValueError, checks.vector_aligned, x.t(), "q", contains=("q", "last dimension", "stride 1", "(1, 16)"))
+    odd = torch.zeros(4, 20, dtype=torch.bfloat16)[:, :16]  # row stride 20: not a multiple of 8 elements
+    _raises(ValueError, checks.vector_aligned, odd, "out", contains=("out", "16-byte", "multiple of 8", "(20, 1)"))
+    shifted = torch.zeros(80, dtype=torch.bfloat16)[1:65].view(4, 16)  # storage 2 bytes off alignment
+    _raises(ValueError, checks.vector_aligned, shifted, "k_cache", contains=("k_cache", "aligned"))
+
+
+def test_host_int32_names_argument_expected_and_given():
+    _raises(TypeError, checks.host_int32, [0, 1], "indptr", contains=("indptr", "torch.Tensor", "list"))
+    _raises(ValueError, checks.host_int32, torch.zeros(3, dtype=torch.int64), "indptr",
+            contains=("indptr", "torch.int32", "torch.int64"))
+    _raises(ValueError, checks.host_int32, torch.zeros(2, 3, dtype=torch.int32), "indptr",
+            contains=("indptr", "1-D", "(2, 3)"))
+    _raises(ValueError, checks.host_int32, torch.zeros(3, dtype=torch.int32), "last_page_len", 4,
+            contains=("last_page_len", "4 entries", "got 3"))
+    strided = torch.arange(8, dtype=torch.int32)[::2]
+    out = checks.host_int32(strided, "indptr", 4)
+    assert out.is_contiguous() and out.tolist() == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.0, True, "4", None])
+def test_positive_int_names_argument_and_value(value):
+    _raises(ValueError, checks.positive_int, value, "num_kv_heads", contains=("num_kv_heads", "positive int", repr(value)))
+
+
+def test_positive_int_accepts():
+    assert checks.positive_int(7, "head_dim") == 7
+
+
+@pytest.mark.parametrize("value", [0, -1.0, True, "2", float("nan")])
+def test_scale_names_argument_and_value(value):
+    _raises(ValueError, checks.scale, value, "v_scale", contains=("v_scale", "positive float", repr(value)))
+
+
+def test_scale_refuses_tensor_and_accepts_numbers():
+    _raises(ValueError, checks.scale, torch.tensor(2.0), "k_scale", contains=("k_scale", "tensor scales", "fp8"))
+    assert checks.scale(None, "q_scale") is None
+    assert checks.scale(2, "q_scale") == 2.0 and isinstance(checks.scale(2, "q_scale"), float)
+
+
+def test_wrapper_refuses_a_cpu_workspace():
+    from attnforge import BatchDecodeWithPagedKVCacheWrapper
+
+    _raises(ValueError, BatchDecodeWithPagedKVCacheWrapper, torch.empty(1024, dtype=torch.uint8),
+            contains=("float_workspace_buffer", "CUDA", "cpu"))
+    _raises(TypeError, BatchDecodeWithPagedKVCacheWrapper, bytearray(16), contains=("float_workspace_buffer",))
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_to_dtype_accepts_torch_dtypes_and_names():
+    assert dispatch.to_dtype(torch.bfloat16, "q_data_type") is DType.BF16
+    assert dispatch.to_dtype("bf16", "q_data_type") is DType.BF16
+    assert dispatch.to_dtype("float16", "q_data_type") is DType.FP16
+    assert dispatch.to_dtype(None, "kv_data_type", allow_none=True) is None
+
+
+def test_to_dtype_errors_name_the_argument():
+    _raises(ValueError, dispatch.to_dtype, torch.float32, "q_data_type",
+            contains=("q_data_type", "torch.float32", "not an attention dtype", "torch.bfloat16"))
+    _raises(ValueError, dispatch.to_dtype, "int8", "kv_data_type", contains=("kv_data_type", "'int8'", "bf16"))
+    _raises(TypeError, dispatch.to_dtype, 16, "o_data_type", contains=("o_data_type", "int", "16"))
+    _raises(TypeError, dispatch.to_dtype, None, "q_data_type", contains=("q_data_type", "None"))
+
+
+def test_parse_backend():
+    assert dispatch.parse_backend("fa2") == "fa2"
+    _raises(ValueError, dispatch.parse_backend, "fa4", contains=("backend", "'fa4'", "'auto'", "'fa2'", "'fa3'"))
+
+
+def test_parse_pos_encoding():
+    assert dispatch.parse_pos_encoding("none") is PosEncoding.NONE
+    assert dispatch.parse_pos_encoding(PosEncoding.ALIBI) is PosEncoding.ALIBI
+    _raises(ValueError, dispatch.parse_pos_encoding, "rope",
+            contains=("pos_encoding_mode", "'rope'", "NONE", "ROPE_LLAMA", "ALIBI"))
+
+
+def _decode_spec(**overrides):
+    kwargs = dict(backend="auto", dtype_q=DType.BF16, dtype_kv=DType.BF16, dtype_o=DType.BF16, head_dim=128,
+                  pos_encoding=PosEncoding.NONE, use_sliding_window=False, use_logits_soft_cap=False,
+                  archs=(Arch.SM90A,))
+    kwargs.update(overrides)
+    return dispatch.decode_spec(**kwargs)
+
+
+def _refused(rule_id: str, **overrides) -> UnsupportedSpecError:
+    with pytest.raises(UnsupportedSpecError) as info:
+        _decode_spec(**overrides)
+    rule = RULES_BY_ID[rule_id]
+    assert rule_id in info.value.rule_ids
+    message = str(info.value)
+    assert f"[{rule_id}]" in message
+    assert rule.suggestion.format(s=info.value.spec) in message
+    return info.value
+
+
+def test_decode_spec_auto_is_fa2():
+    assert _decode_spec().backend.value == "fa2"
+    assert _decode_spec(backend="fa2", archs=(Arch.SM80,)).archs == (Arch.SM80,)
+
+
+def test_decode_spec_refuses_fa3_with_rule_and_suggestion():
+    error = _refused("decode-is-fa2", backend="fa3")
+    assert "use_tensor_cores=True" in str(error)
+
+
+def test_decode_spec_refuses_fp8_output():
+    _refused("o-not-fp8", dtype_o=DType.E4M3)
+
+
+def test_decode_spec_refuses_mixed_16bit_and_odd_head_dim():
+    _refused("mixed-16bit-qkv", dtype_kv=DType.FP16)
+    _refused("decode-head-dims", head_dim=96)
+    _refused("decode-no-pos-encoding", pos_encoding=PosEncoding.ROPE_LLAMA)

@@ -1,0 +1,246 @@
+"""The decode planner: properties of the Python oracle over drawn batches (CPU), and agreement
+of the C++ planner inside a built module with the oracle, image for image and error for error."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnforge.codegen.abi import PLAN_HEADER
+from attnforge.codegen.dtypes import DType
+from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind
+from attnforge.planner import MIN_CHUNK_TOKENS, PlanError, PlanLayout, plan_decode_oracle, work_capacity
+
+# ---------------------------------------------------------------- drawn batches
+
+
+def _page_table(kv_lens: list[int], page_size: int, start: int) -> tuple[list[int], list[int]]:
+    """(indptr, last_page_len) of requests with these kv lengths, page ids starting at `start`."""
+    indptr, last = [start], []
+    for kv in kv_lens:
+        pages = -(-kv // page_size)
+        indptr.append(indptr[-1] + pages)
+        last.append(kv - (pages - 1) * page_size if pages else 0)
+    return indptr, last
+
+
+@st.composite
+def batches(draw, max_batch: int = 300):
+    page_size = draw(st.integers(1, 64))
+    kv_len = st.one_of(st.just(0), st.integers(1, 300), st.integers(1, 20000))
+    size = draw(st.one_of(st.integers(1, 8), st.integers(1, max_batch)))
+    kv_lens = draw(st.lists(kv_len, min_size=size, max_size=size))
+    start = draw(st.sampled_from([0, 0, 0, 7]))
+    indptr, last = _page_table(kv_lens, page_size, start)
+    fixed = draw(st.sampled_from([0, 0, 0, None]))
+    return dict(
+        kv_lens=kv_lens,
+        indptr=indptr,
+        last_page_len=last,
+        page_size=page_size,
+        num_indices=indptr[-1] + draw(st.sampled_from([0, 0, 3])),
+        window_left=draw(st.one_of(st.just(-1), st.integers(0, 5000))),
+        max_ctas=132 * draw(st.integers(1, 8)),
+        ctas_per_request=draw(st.integers(1, 64)),
+        fixed_split_tokens=draw(st.integers(16, 4096)) if fixed is None else 0,
+        disable_split_kv=draw(st.booleans()),
+    )
+
+
+def capacity_for(b: dict) -> int:
+    """The wrapper's rule (decode.py plan()): the automatic bound, widened for a fixed split."""
+    batch = len(b["last_page_len"])
+    capacity = work_capacity(batch, b["max_ctas"], b["ctas_per_request"])
+    if b["fixed_split_tokens"]:
+        capacity = max(capacity, batch + -(-b["indptr"][-1] * b["page_size"] // b["fixed_split_tokens"]))
+    return capacity
+
+
+def oracle(b: dict, layout: PlanLayout | None = None):
+    layout = layout or PlanLayout(len(b["last_page_len"]), capacity_for(b))
+    keys = ("page_size", "num_indices", "ctas_per_request", "max_ctas", "window_left", "fixed_split_tokens",
+            "disable_split_kv")
+    return plan_decode_oracle(b["indptr"], b["last_page_len"], layout=layout, **{k: b[k] for k in keys}), layout
+
+
+def work_items(image: list[int], layout: PlanLayout, num_work: int) -> list[tuple[int, int, int, int]]:
+    return [(image[layout.off_work_request + i], image[layout.off_work_begin + i], image[layout.off_work_end + i],
+             image[layout.off_work_partial + i]) for i in range(num_work)]
+
+
+# ---------------------------------------------------------------- oracle properties
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batches())
+def test_oracle_plan_tiles_every_request_once(b):
+    result, layout = oracle(b)
+    batch = len(b["last_page_len"])
+    image = result.image
+    assert len(image) == layout.size
+    assert result.num_work <= layout.capacity
+    assert image[PLAN_HEADER.index("num_work")] == result.num_work
+    assert image[PLAN_HEADER.index("num_partials")] == result.num_partials
+    assert image[layout.off_indptr : layout.off_indptr + batch + 1] == b["indptr"]
+
+    items = work_items(image, layout, result.num_work)
+    lengths = [end - begin for _, begin, end, _ in items]
+    assert lengths == sorted(lengths, reverse=True), "work items must be ordered longest first"
+
+    partial_indptr = image[layout.off_partial_indptr : layout.off_partial_indptr + batch + 1]
+    assert partial_indptr[0] == 0 and partial_indptr[-1] == result.num_partials
+    by_request: dict[int, list] = {r: [] for r in range(batch)}
+    for request, begin, end, slot in items:
+        assert 0 <= request < batch
+        by_request[request].append((begin, end, slot))
+    for r, kv in enumerate(b["kv_lens"]):
+        own = sorted(by_request[r])
+        assert own, f"request {r} has no work item"
+        w = b["window_left"]
+        lo = max(0, kv - 1 - w) if w >= 0 else 0
+        # The items tile [lo, kv) exactly: consecutive, no gap, no overlap.
+        assert own[0][0] == lo and own[-1][1] == kv
+        for (_, end, _), (begin, _, _) in zip(own, own[1:]):
+            assert end == begin
+        assert all(begin <= end for begin, end, _ in own)
+        if len(own) == 1:
+            assert own[0][2] == -1 and partial_indptr[r + 1] == partial_indptr[r]
+        else:
+            assert all(begin < end for begin, end, _ in own), "a split request has no empty chunk"
+            assert [slot for _, _, slot in own] == list(range(partial_indptr[r], partial_indptr[r + 1]))
+    assert result.max_chunks == max(len(v) for v in by_request.values())
+
+    automatic = not b["disable_split_kv"] and not b["fixed_split_tokens"]
+    if automatic and batch * b["ctas_per_request"] < b["max_ctas"]:
+        assert result.num_work * b["ctas_per_request"] <= b["max_ctas"]
+        assert result.chunk_tokens >= MIN_CHUNK_TOKENS
+    if b["disable_split_kv"]:
+        assert result.num_work == batch and result.num_partials == 0
+
+
+def _bad_variants(b: dict, draw_index: int) -> list[tuple[dict, str]]:
+    """Mutations of a valid batch that the planner must refuse, each with the argument (and index)
+    its message must name."""
+    batch = len(b["last_page_len"])
+    out = []
+    j = 1 + draw_index % batch
+    indptr = list(b["indptr"])
+    indptr[j] = indptr[j - 1] - 1 - draw_index % 3
+    if j < batch or indptr[j] >= 0:
+        out.append(({**b, "indptr": indptr}, f"indptr[{j}]"))
+    non_empty = [r for r, kv in enumerate(b["kv_lens"]) if kv > 0]
+    if non_empty:
+        r = non_empty[draw_index % len(non_empty)]
+        for value in (0, b["page_size"] + 1 + draw_index % 5):
+            last = list(b["last_page_len"])
+            last[r] = value
+            out.append(({**b, "last_page_len": last}, f"last_page_len[{r}]"))
+    if b["indptr"][-1] > 0:
+        out.append(({**b, "num_indices": b["indptr"][-1] - 1}, "indptr[-1]"))
+    r = draw_index % batch
+    last = list(b["last_page_len"])
+    last[r] = -1
+    out.append(({**b, "last_page_len": last}, f"last_page_len[{r}]"))
+    return out
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batches(max_batch=40), st.integers(0, 10**6))
+def test_oracle_refuses_bad_page_tables_naming_the_index(b, draw_index):
+    for bad, named in _bad_variants(b, draw_index):
+        with pytest.raises(PlanError) as info:
+            oracle(bad, PlanLayout(len(bad["last_page_len"]), capacity_for(b)))
+        assert named in str(info.value)
+
+
+def test_oracle_refuses_a_negative_first_offset():
+    b = dict(indptr=[-1, 2], last_page_len=[3], page_size=4, num_indices=8, ctas_per_request=1, max_ctas=132,
+             window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[3])
+    with pytest.raises(PlanError, match=re.escape("indptr[0]")):
+        oracle(b)
+
+
+def test_oracle_refuses_a_plan_beyond_its_capacity():
+    b = dict(indptr=[0, 100], last_page_len=[16], page_size=16, num_indices=100, ctas_per_request=1, max_ctas=132,
+             window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600])
+    with pytest.raises(PlanError, match="work items"):
+        oracle(b, PlanLayout(1, 10))
+
+
+def test_empty_request_gets_one_empty_item():
+    b = dict(indptr=[0, 0, 3], last_page_len=[0, 5], page_size=8, num_indices=3, ctas_per_request=2, max_ctas=132,
+             window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[0, 21])
+    result, layout = oracle(b)
+    items = work_items(result.image, layout, result.num_work)
+    assert sorted(items) == [(0, 0, 0, -1), (1, 0, 21, -1)]
+
+
+# ---------------------------------------------------------------- C++ planner == oracle
+
+SPEC = KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
+                  dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, archs=(Arch.SM80,))
+
+
+@pytest.fixture(scope="module")
+def module(tmp_path_factory):
+    from attnforge.loader import load_uncached
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ATTNFORGE_CACHE_DIR", str(tmp_path_factory.mktemp("planner_cache")))
+        yield load_uncached(SPEC)
+
+
+def cxx_plan(module, b: dict, layout: PlanLayout):
+    """Call the module's planner exactly as decode.py plan() does. (status, image, info)."""
+    indptr = torch.tensor(b["indptr"], dtype=torch.int32)
+    last_page_len = torch.tensor(b["last_page_len"], dtype=torch.int32)
+    image = torch.zeros(layout.size, dtype=torch.int32)
+    args = module.binding.DecodePlanArgs(
+        indptr=indptr.data_ptr(), last_page_len=last_page_len.data_ptr(), image=image.data_ptr(),
+        batch_size=len(b["last_page_len"]), page_size=b["page_size"], num_indices=b["num_indices"],
+        ctas_per_request=b["ctas_per_request"], max_ctas=b["max_ctas"], window_left=b["window_left"],
+        fixed_split_tokens=b["fixed_split_tokens"], disable_split_kv=int(bool(b["disable_split_kv"])),
+        min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=layout.capacity, **layout.offsets())
+    info = module.binding.DecodePlanInfo()
+    status = module.fns["decode_plan"](ctypes.byref(args), ctypes.byref(info))
+    return status, image.tolist(), info
+
+
+@pytest.mark.nvcc
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(b=batches())
+def test_cxx_planner_matches_oracle(module, b):
+    result, layout = oracle(b)
+    status, image, info = cxx_plan(module, b, layout)
+    assert status == 0, module.last_error()
+    assert image == result.image
+    assert (info.num_work, info.num_partials, info.chunk_tokens, info.max_chunks) == (
+        result.num_work, result.num_partials, result.chunk_tokens, result.max_chunks)
+
+
+@pytest.mark.nvcc
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(b=batches(max_batch=40), draw_index=st.integers(0, 10**6))
+def test_cxx_planner_refuses_what_the_oracle_refuses(module, b, draw_index):
+    for bad, named in _bad_variants(b, draw_index):
+        layout = PlanLayout(len(bad["last_page_len"]), capacity_for(b))
+        with pytest.raises(PlanError) as info:
+            oracle(bad, layout)
+        assert named in str(info.value)
+        status, _, _ = cxx_plan(module, bad, layout)
+        assert status != 0
+        assert named in module.last_error(), (named, module.last_error())
+
+
+@pytest.mark.nvcc
+def test_cxx_planner_refuses_a_plan_beyond_its_capacity(module):
+    b = dict(indptr=[0, 100], last_page_len=[16], page_size=16, num_indices=100, ctas_per_request=1, max_ctas=132,
+             window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600])
+    status, _, _ = cxx_plan(module, b, PlanLayout(1, 10))
+    assert status != 0
+    assert "work items" in module.last_error() and "fixed_split_size" in module.last_error()
