@@ -36,6 +36,13 @@ LOG2_E = math.log2(math.e)
 KV_LAYOUTS = ("NHD", "HND")
 
 
+def _current_stream(device_index: int) -> int:
+    """The caller's current stream on the device, as a raw handle (the public accessor builds a
+    Stream object per call, a few µs that every run() would pay)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -211,6 +218,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._graph:
             self._graph_batch_size = batch_size
         layout = PlanLayout(batch_size, capacity)
+        offsets = layout.offsets()
         image, device_image = self._image_buffers(layout.size)
 
         binding = module.binding
@@ -219,8 +227,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             batch_size=batch_size, page_size=page_size, num_indices=indices.numel(),
             ctas_per_request=ctas_per_request, max_ctas=max_ctas, window_left=window_left,
             fixed_split_tokens=fixed_tokens, disable_split_kv=int(bool(disable_split_kv)),
-            min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity,
-            **layout.offsets())
+            min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity, **offsets)
         info = binding.DecodePlanInfo()
         status = module.fns["decode_plan"](ctypes.byref(args), ctypes.byref(info))
         if status != 0:
@@ -244,7 +251,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_kv_heads=num_kv_heads, group_size=group, heads_per_cta=heads, num_head_tiles=tiles,
             page_size=page_size, work_capacity=capacity if self._graph else info.num_work,
             run_merge=int(self._graph or info.num_partials > 0), device=self._device_index(),
-            debug_sync=int(self._debug), **layout.offsets())
+            debug_sync=int(self._debug), **offsets)
         self._plan = _Plan(
             module=module, params=params, batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, dtype_q=dispatch.torch_dtype(dtype_q),
@@ -357,7 +364,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         params.num_pages = num_pages
         stride_page, stride_token, stride_head = self._kv_strides(k_cache)
         params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = stride_page, stride_token, stride_head
-        stream = torch.cuda.current_stream(self._device).cuda_stream
+        stream = _current_stream(self._device_index())
         plan.module.check(plan.module.fns["decode_run"](ctypes.byref(params), stream), "decode run")
         if params.debug_sync:
             self._raise_kernel_errors()

@@ -40,42 +40,24 @@ def work_capacity(batch_size: int, max_ctas: int, ctas_per_request: int) -> int:
 
 @dataclass(frozen=True)
 class PlanLayout:
-    """Offsets (int32 elements) of the arrays in the plan image."""
+    """Offsets (int32 elements) of the arrays in the plan image: the header, indptr[batch+1], four
+    work arrays of `capacity` entries (request, begin, end, partial slot), partial_indptr[batch+1]."""
 
     batch_size: int
     capacity: int
 
-    @property
-    def off_indptr(self) -> int:
-        return len(PLAN_HEADER)
-
-    @property
-    def off_work_request(self) -> int:
-        return self.off_indptr + self.batch_size + 1
-
-    @property
-    def off_work_begin(self) -> int:
-        return self.off_work_request + self.capacity
-
-    @property
-    def off_work_end(self) -> int:
-        return self.off_work_begin + self.capacity
-
-    @property
-    def off_work_partial(self) -> int:
-        return self.off_work_end + self.capacity
-
-    @property
-    def off_partial_indptr(self) -> int:
-        return self.off_work_partial + self.capacity
+    def offsets(self) -> dict[str, int]:
+        out, cursor = {}, len(PLAN_HEADER)
+        for name, length in (("indptr", self.batch_size + 1), ("work_request", self.capacity),
+                             ("work_begin", self.capacity), ("work_end", self.capacity),
+                             ("work_partial", self.capacity), ("partial_indptr", self.batch_size + 1)):
+            out[f"off_{name}"] = cursor
+            cursor += length
+        return out
 
     @property
     def size(self) -> int:
-        return self.off_partial_indptr + self.batch_size + 1
-
-    def offsets(self) -> dict[str, int]:
-        names = ("indptr", "work_request", "work_begin", "work_end", "work_partial", "partial_indptr")
-        return {f"off_{name}": getattr(self, f"off_{name}") for name in names}
+        return len(PLAN_HEADER) + 2 * (self.batch_size + 1) + 4 * self.capacity
 
 
 def partial_bytes(num_partials: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
@@ -153,6 +135,7 @@ def plan_decode_oracle(
         raise PlanError(f"the plan needs {num_work} work items but has room for {layout.capacity}")
 
     image = [0] * layout.size
+    off = layout.offsets()
     items = []
     partial_indptr = [0]
     for r in range(batch):
@@ -164,12 +147,12 @@ def plan_decode_oracle(
         partial_indptr.append(partial_indptr[r] + (chunks if chunks > 1 else 0))
     items.sort(key=lambda item: -(item[2] - item[1]))  # stable: longest first
     for i, (request, begin, end, slot) in enumerate(items):
-        image[layout.off_work_request + i] = request
-        image[layout.off_work_begin + i] = begin
-        image[layout.off_work_end + i] = end
-        image[layout.off_work_partial + i] = slot
-    image[layout.off_indptr : layout.off_indptr + batch + 1] = indptr[: batch + 1]
-    image[layout.off_partial_indptr : layout.off_partial_indptr + batch + 1] = partial_indptr
+        image[off["off_work_request"] + i] = request
+        image[off["off_work_begin"] + i] = begin
+        image[off["off_work_end"] + i] = end
+        image[off["off_work_partial"] + i] = slot
+    image[off["off_indptr"] : off["off_indptr"] + batch + 1] = indptr[: batch + 1]
+    image[off["off_partial_indptr"] : off["off_partial_indptr"] + batch + 1] = partial_indptr
     image[PLAN_HEADER.index("num_work")] = num_work
     image[PLAN_HEADER.index("num_partials")] = partial_indptr[batch]
     max_chunks = max((max(1, -(-n // chunk)) for n in lengths), default=0)

@@ -69,8 +69,8 @@ def oracle(b: dict, layout: PlanLayout | None = None):
 
 
 def work_items(image: list[int], layout: PlanLayout, num_work: int) -> list[tuple[int, int, int, int]]:
-    return [(image[layout.off_work_request + i], image[layout.off_work_begin + i], image[layout.off_work_end + i],
-             image[layout.off_work_partial + i]) for i in range(num_work)]
+    return [(image[layout.offsets()["off_work_request"] + i], image[layout.offsets()["off_work_begin"] + i], image[layout.offsets()["off_work_end"] + i],
+             image[layout.offsets()["off_work_partial"] + i]) for i in range(num_work)]
 
 
 # ---------------------------------------------------------------- oracle properties
@@ -86,13 +86,13 @@ def test_oracle_plan_tiles_every_request_once(b):
     assert result.num_work <= layout.capacity
     assert image[PLAN_HEADER.index("num_work")] == result.num_work
     assert image[PLAN_HEADER.index("num_partials")] == result.num_partials
-    assert image[layout.off_indptr : layout.off_indptr + batch + 1] == b["indptr"]
+    assert image[layout.offsets()["off_indptr"] : layout.offsets()["off_indptr"] + batch + 1] == b["indptr"]
 
     items = work_items(image, layout, result.num_work)
     lengths = [end - begin for _, begin, end, _ in items]
     assert lengths == sorted(lengths, reverse=True), "work items must be ordered longest first"
 
-    partial_indptr = image[layout.off_partial_indptr : layout.off_partial_indptr + batch + 1]
+    partial_indptr = image[layout.offsets()["off_partial_indptr"] : layout.offsets()["off_partial_indptr"] + batch + 1]
     assert partial_indptr[0] == 0 and partial_indptr[-1] == result.num_partials
     by_request: dict[int, list] = {r: [] for r in range(batch)}
     for request, begin, end, slot in items:
