@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnforge.codegen.abi import PLAN_HEADER
+from attnforge.codegen.render import DECODE_HEADS_PER_CTA
 
 # Split-KV never cuts a request into chunks shorter than this: shorter chunks cost more in merge
 # traffic than they win in parallelism.
@@ -17,18 +18,16 @@ MIN_CHUNK_TOKENS = 128
 # Upper bound of resident CTAs per SM for any decode variant (2048 threads / 128 per CTA); used
 # only to size workspaces before a module is loaded.
 MAX_CTAS_PER_SM_BOUND = 16
-# Query heads per CTA the decode kernel is compiled for (attnforge.codegen.render).
-HEADS_PER_CTA_VARIANTS = (1, 2, 4, 8)
 
 
 def heads_per_cta(group_size: int) -> tuple[int, int]:
     """(heads per CTA, head tiles) for a GQA group: the smallest variant holding the whole group,
     else the largest variant tiled over it. Idle head slots cost only arithmetic, while every
     extra tile re-reads the kv head (from L2 when tiles run side by side)."""
-    for heads in HEADS_PER_CTA_VARIANTS:
+    for heads in DECODE_HEADS_PER_CTA:
         if group_size <= heads:
             return heads, 1
-    heads = HEADS_PER_CTA_VARIANTS[-1]
+    heads = DECODE_HEADS_PER_CTA[-1]
     return heads, -(-group_size // heads)
 
 
