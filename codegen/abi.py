@@ -120,21 +120,77 @@ DECODE_PLAN_INFO = _struct(
     ("max_chunks", "int32_t", "largest number of chunks of one request"),
 )
 
-STRUCTS = (DECODE_PARAMS, DECODE_PLAN_ARGS, DECODE_PLAN_INFO)
+PREFILL_PLAN_OFFSETS = (
+    ("off_qo_indptr", "int32_t", "plan image offset of qo_indptr[batch+1] (query tokens)"),
+    ("off_kv_indptr", "int32_t", "plan image offset of kv_indptr[batch+1] (pages when paged, tokens when ragged)"),
+    ("off_kv_len", "int32_t", "plan image offset of kv_len[batch] (tokens)"),
+    ("off_num_chunks", "int32_t", "plan image offset of num_chunks[batch]: kv chunks each request is cut into"),
+    ("off_work_request", "int32_t", "plan image offset of the work items' request ids"),
+    ("off_work_qo_tile", "int32_t", "plan image offset of the work items' q tile (packed rows) in their request"),
+    ("off_work_kv_begin", "int32_t", "plan image offset of the work items' first kv token"),
+    ("off_work_kv_end", "int32_t", "plan image offset of the work items' end kv token"),
+    ("off_work_partial", "int32_t", "plan image offset of the work items' partial slot base (-1: write o)"),
+    ("off_merge_indptr", "int32_t", "plan image offset of merge_indptr[rows+1]: each q row's partial slots"),
+    ("off_mask_indptr", "int32_t", "plan image offset of mask_indptr[batch+1] (bytes of the packed custom mask)"),
+)
+
+PREFILL_PARAMS = _struct(
+    "PrefillParams",
+    "Everything one batch-prefill launch reads; built in plan(), tensor pointers patched in run().",
+    ("q", "const void*", "[total_q, num_qo_heads, head_dim_qk] query"),
+    ("k", "const void*", "K: paged (page, head, token) strides as in decode, or ragged [total_kv, heads, dim]"),
+    ("v", "const void*", "V, same strides as k"),
+    ("o", "void*", "[total_q, num_qo_heads, head_dim_vo] output (planned o dtype)"),
+    ("lse", "void*", "[total_q, num_qo_heads] fp32 base-2 log-sum-exp, or null"),
+    ("indices", "const void*", "paged: int32 page ids, request r owns indices[kv_indptr[r]:kv_indptr[r+1]]"),
+    ("custom_mask", "const void*", "uint8 bit-packed custom mask (little bit order), or null"),
+    ("plan", "void*", "device int32 plan image written by plan()"),
+    ("tmp_v", "void*", "fp32 partial outputs [slots, num_qo_heads, head_dim_vo]"),
+    ("tmp_s", "void*", "fp32 partial base-2 lse [slots, num_qo_heads]"),
+    ("q_stride_n", "int64_t", "elements between query tokens"),
+    ("q_stride_h", "int64_t", "elements between query heads"),
+    ("o_stride_n", "int64_t", "elements between output tokens"),
+    ("o_stride_h", "int64_t", "elements between output heads"),
+    ("kv_stride_page", "int64_t", "paged: elements between pages (ragged: unused)"),
+    ("kv_stride_head", "int64_t", "elements between kv heads"),
+    ("kv_stride_token", "int64_t", "elements between kv tokens (of a page, or of the ragged tensor)"),
+    ("batch_size", "int32_t", "requests in the batch"),
+    ("num_qo_heads", "int32_t", "query heads"),
+    ("num_kv_heads", "int32_t", "kv heads"),
+    ("group_size", "int32_t", "num_qo_heads / num_kv_heads"),
+    ("page_size", "int32_t", "tokens per page (1 when ragged)"),
+    ("num_pages", "int32_t", "pages in the cache; a page id outside [0, num_pages) is flagged"),
+    ("work_capacity", "int32_t", "grid size in work items (static under CUDA graphs)"),
+    ("row_capacity", "int32_t", "rows the merge kernel covers (static under CUDA graphs)"),
+    ("causal", "int32_t", "1: key j is visible to query position p only if j <= p (bottom-right aligned)"),
+    ("window_left", "int32_t", "sliding window (-1: none)"),
+    ("cta_tile_q", "int32_t", "packed query rows per CTA: the compiled variant that runs (16, 64 or 128)"),
+    ("paged", "int32_t", "1: paged KV (indices); 0: ragged KV"),
+    *PREFILL_PLAN_OFFSETS,
+    ("run_merge", "int32_t", "1 when some request is split and the merge kernel must run"),
+    ("device", "int32_t", "CUDA device that holds the tensors"),
+    ("debug_sync", "int32_t", "1: synchronize and check after every kernel"),
+    ("sm_scale_log2", "float", "multiplies q.k: sm_scale*log2(e), or sm_scale/soft_cap with a soft cap"),
+    ("soft_cap_log2", "float", "soft cap only: cap*log2(e), applied after tanh"),
+    ("rope_rcp_scale", "float", "RoPE: 1 / rope_scale"),
+    ("rope_rcp_theta", "float", "RoPE: 1 / rope_theta"),
+)
+
+DECODE_STRUCTS = (DECODE_PARAMS, DECODE_PLAN_ARGS, DECODE_PLAN_INFO)
 
 
 # Error bits a kernel may raise in the plan image's "error" slot.
 PLAN_ERROR_BAD_PAGE = 1
 
 
-def expected_abi_table(mirrors) -> list[int]:
+def expected_abi_table(mirrors, structs: tuple[Struct, ...]) -> list[int]:
     """The table a module's `<uri>_abi()` must report, computed from ctypes mirrors (a binding's
-    STRUCTS): per canonical struct its sizeof, then the offset of each canonical field looked up
+    STRUCTS) of the canonical `structs` of its kind: per canonical struct its sizeof, then the offset of each canonical field looked up
     BY NAME in the mirror (so a mirror with reordered fields disagrees); then the plan-image
     header constants."""
     by_name = {mirror.__name__: mirror for mirror in mirrors}
     table: list[int] = []
-    for struct in STRUCTS:
+    for struct in structs:
         mirror = by_name.get(struct.name)
         if mirror is None:
             raise ValueError(f"the binding has no ctypes mirror of {struct.name}")

@@ -19,11 +19,68 @@ import jinja2
 from . import abi
 from .rules import ensure_valid
 from .sources import source_hash, templates_dir
-from .spec import KernelSpec
+from .spec import KernelSpec, Kind, PosEncoding
 
 # Query heads per CTA the decode kernel is compiled for; any group size is served by tiling it.
 DECODE_HEADS_PER_CTA = (1, 2, 4, 8)
+# Packed query rows per CTA the prefill kernel is compiled for (plan() picks one per batch).
+PREFILL_CTA_TILES = (16, 64, 128)
 METADATA = "metadata.json"
+
+
+def prefill_cta_tiles(head_dim_qk: int) -> tuple[int, ...]:
+    """The prefill tiles compiled for a head dim: 128-row tiles need too many registers at 256."""
+    return PREFILL_CTA_TILES if head_dim_qk < 256 else PREFILL_CTA_TILES[:-1]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel instantiation, rendered into its own translation unit `<name>.cu`."""
+
+    name: str
+    template: str
+    context: tuple[tuple[str, object], ...]
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """What a module of one kind holds: its C-ABI structs, entry-point template, the Python
+    signatures of its entry points (role, ctypes argtypes, ctypes restype) and kernel variants."""
+
+    params_struct: str
+    structs: tuple[abi.Struct, ...]
+    entry_template: str
+    entry_points: tuple[tuple[str, str, str], ...]
+    variants: tuple[Variant, ...]
+
+
+def module_layout(spec: KernelSpec) -> ModuleLayout:
+    if spec.kind is Kind.DECODE:
+        return ModuleLayout(
+            params_struct="DecodeParams",
+            structs=abi.DECODE_STRUCTS,
+            entry_template="decode_entry.cu.jinja",
+            entry_points=(
+                ("decode_plan", "[ctypes.POINTER(DecodePlanArgs), ctypes.POINTER(DecodePlanInfo)]", "ctypes.c_int32"),
+                ("decode_occupancy", "[ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)]", "ctypes.c_int32"),
+                ("decode_run", "[ctypes.POINTER(DecodeParams), ctypes.c_void_p]", "ctypes.c_int32"),
+            ),
+            variants=tuple(Variant(f"decode_h{h}", "decode_variant.cu.jinja", (("heads", h),))
+                           for h in DECODE_HEADS_PER_CTA),
+        )
+    return ModuleLayout(
+        params_struct="PrefillParams",
+        structs=abi.PREFILL_STRUCTS,
+        entry_template="prefill_entry.cu.jinja",
+        entry_points=(
+            ("prefill_plan", "[ctypes.POINTER(PrefillPlanArgs), ctypes.POINTER(PrefillPlanInfo)]", "ctypes.c_int32"),
+            ("prefill_occupancy", "[ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)]",
+             "ctypes.c_int32"),
+            ("prefill_run", "[ctypes.POINTER(PrefillParams), ctypes.c_void_p]", "ctypes.c_int32"),
+        ),
+        variants=tuple(Variant(f"prefill_q{tile}_{kv}", "prefill_variant.cu.jinja", (("tile", tile), ("paged", kv == "paged")))
+                       for tile in prefill_cta_tiles(spec.head_dim_qk) for kv in ("paged", "ragged")),
+    )
 
 
 @dataclass(frozen=True)
@@ -49,20 +106,28 @@ def environment() -> jinja2.Environment:
     )
 
 
-def template_context(spec: KernelSpec) -> dict:
+def template_context(spec: KernelSpec, layout: ModuleLayout) -> dict:
     uri = spec.uri
     return {
         "uri": uri,
         "symbol": uri,
+        "kind": spec.kind.value,
         "dtype_q": spec.dtype_q.cpp,
         "dtype_kv": spec.dtype_kv.cpp,
         "dtype_o": spec.dtype_o.cpp,
-        "head_dim": spec.head_dim_qk,
+        "head_dim_qk": spec.head_dim_qk,
+        "head_dim_vo": spec.head_dim_vo,
         "use_soft_cap": spec.use_logits_soft_cap,
         "use_sliding_window": spec.use_sliding_window,
-        "structs": abi.STRUCTS,
+        "use_custom_mask": spec.use_custom_mask,
+        "pos_encoding": list(PosEncoding).index(spec.pos_encoding),
+        "structs": layout.structs,
+        "params_struct": layout.params_struct,
+        "entry_points": layout.entry_points,
+        "variants": layout.variants,
         "plan_header": abi.PLAN_HEADER,
         "heads_per_cta": DECODE_HEADS_PER_CTA,
+        "cta_tiles": prefill_cta_tiles(spec.head_dim_qk),
     }
 
 
@@ -71,14 +136,15 @@ def render(spec: KernelSpec) -> RenderedModule:
     before producing anything."""
     ensure_valid(spec)
     env = environment()
-    ctx = template_context(spec)
+    layout = module_layout(spec)
+    ctx = template_context(spec, layout)
     files = {
         "config.cuh": env.get_template("config.cuh.jinja").render(ctx),
-        "entry.cu": env.get_template("decode_entry.cu.jinja").render(ctx),
+        "entry.cu": env.get_template(layout.entry_template).render(ctx),
         "binding.py": env.get_template("binding.py.jinja").render(ctx),
     }
-    for heads in DECODE_HEADS_PER_CTA:
-        files[f"decode_h{heads}.cu"] = env.get_template("decode_variant.cu.jinja").render(ctx, heads=heads)
+    for variant in layout.variants:
+        files[f"{variant.name}.cu"] = env.get_template(variant.template).render(ctx, **dict(variant.context))
     files[METADATA] = _metadata(spec, ctx["uri"], files)
     return RenderedModule(spec=spec, uri=ctx["uri"], files=dict(sorted(files.items())))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 from attnforge.codegen.abi import expected_abi_table
+from attnforge.codegen.render import module_layout
 from attnforge.codegen.spec import KernelSpec
 
 from .build import build_locked, file_lock, lock_path, module_dir
@@ -48,9 +49,9 @@ def import_binding(path: Path, uri: str) -> ModuleType:
     return module
 
 
-def check_layout(binding: ModuleType, fns: dict, library: Path) -> None:
+def check_layout(spec: KernelSpec, binding: ModuleType, fns: dict, library: Path) -> None:
     """Compare the module's sizeof/offsetof table with the ctypes mirror, field by field."""
-    expected = expected_abi_table(binding.STRUCTS)
+    expected = expected_abi_table(binding.STRUCTS, module_layout(spec).structs)
     buffer = (ctypes.c_int64 * (len(expected) + 8))()
     count = fns["abi"](buffer, len(buffer))
     reported = list(buffer[: min(count, len(buffer))])
@@ -67,7 +68,7 @@ def open_library(spec: KernelSpec, library: Path) -> Module:
         raise ModuleLoadError(f"{library}: binding is for {binding.URI}, expected {spec.uri}")
     lib = ctypes.CDLL(str(library), mode=os.RTLD_LOCAL | os.RTLD_NOW)
     fns = binding.bind(lib)
-    check_layout(binding, fns, library)
+    check_layout(spec, binding, fns, library)
     return Module(spec=spec, path=library, binding=binding, fns=fns)
 
 

@@ -1,7 +1,8 @@
 // Role: merge the fp32 partial states of split requests into the final output, by base-2 LSE.
-// Contract: grid = (batch_size, ceil(num_qo_heads / kHeadsPerBlock)), block = (kHeadDim / 4,
-//   kHeadsPerBlock). Request r owns partial slots [partial_indptr[r], partial_indptr[r + 1]);
-//   an empty range means the decode kernel already wrote o/lse for r, and the merge skips it.
+// Contract: grid = (rows, ceil(num_qo_heads / kHeadsPerBlock)), block = (kHeadDim / 4,
+//   kHeadsPerBlock). A row is one query token (a decode request, or a prefill query row); row i
+//   owns the consecutive partial slots [row_indptr[i], row_indptr[i + 1]) of the plan image;
+//   an empty range means the attention kernel already wrote o/lse for it, and the merge skips it.
 //   State algebra (FLASHINFER.md 4.5): o = sum 2^(s_i - M) o_i / sum 2^(s_i - M),
 //   lse = M + log2(sum 2^(s_i - M)); all-empty inputs give o = 0, lse = -inf.
 // Must not: read anything but the partial buffers and the plan.
@@ -15,15 +16,27 @@
 
 namespace attnforge::common {
 
-template <typename Params, typename DTypeO, int kHeadDim>
-__global__ void merge_partials_kernel(const __grid_constant__ Params p) {
+// What the merge reads and writes; each kernel family's entry fills it from its own params.
+struct MergeArgs {
+  const int32_t* plan;
+  int32_t off_row_indptr;  // plan image offset of row_indptr[rows + 1]
+  int32_t rows;
+  int32_t num_qo_heads;
+  const float* tmp_v;  // [slot, num_qo_heads, kHeadDim]
+  const float* tmp_s;  // [slot, num_qo_heads]
+  void* o;
+  int64_t o_stride_n, o_stride_h;
+  float* lse;  // [row, num_qo_heads], or null
+};
+
+template <typename DTypeO, int kHeadDim>
+__global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
   constexpr int kCols = 4;  // fp32 columns per thread: one float4 load
-  const int32_t* plan = static_cast<const int32_t*>(p.plan);
-  const int request = blockIdx.x;
+  const int row_id = blockIdx.x;
   const int qo_head = blockIdx.y * blockDim.y + threadIdx.y;
   if (qo_head >= p.num_qo_heads) return;
-  const int first = plan[p.off_partial_indptr + request];
-  const int last = plan[p.off_partial_indptr + request + 1];
+  const int first = p.plan[p.off_row_indptr + row_id];
+  const int last = p.plan[p.off_row_indptr + row_id + 1];
   if (first == last) return;
 
   float m = kNegInf, d = 0.f;
@@ -31,13 +44,13 @@ __global__ void merge_partials_kernel(const __grid_constant__ Params p) {
   bool poisoned = false;  // a chunk that read a bad page id: the whole row must come out NaN
   for (int slot = first; slot < last; ++slot) {
     const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
-    const float s = static_cast<const float*>(p.tmp_s)[row];
+    const float s = p.tmp_s[row];
     poisoned |= isnan(s);
     const float m_new = fmaxf(m, s);
     if (m_new == kNegInf) continue;
     const float a = fast_exp2(m - m_new);
     const float b = fast_exp2(s - m_new);
-    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(p.tmp_v) + row * kHeadDim + threadIdx.x * kCols);
+    const float4 v = *reinterpret_cast<const float4*>(p.tmp_v + row * kHeadDim + threadIdx.x * kCols);
     acc[0] = acc[0] * a + v.x * b;
     acc[1] = acc[1] * a + v.y * b;
     acc[2] = acc[2] * a + v.z * b;
@@ -46,21 +59,21 @@ __global__ void merge_partials_kernel(const __grid_constant__ Params p) {
     m = m_new;
   }
   const float inv_d = poisoned ? NAN : (d > 0.f ? 1.f / d : 0.f);
-  DTypeO* o_row = static_cast<DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h + threadIdx.x * kCols;
+  DTypeO* o_row = static_cast<DTypeO*>(p.o) + row_id * p.o_stride_n + qo_head * p.o_stride_h + threadIdx.x * kCols;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) o_row[c] = static_cast<DTypeO>(acc[c] * inv_d);
   if (p.lse != nullptr && threadIdx.x == 0) {
-    static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] =
+    p.lse[int64_t(row_id) * p.num_qo_heads + qo_head] =
         poisoned ? NAN : (d > 0.f ? m + log2f(d) : kNegInf);
   }
 }
 
-template <typename Params, typename DTypeO, int kHeadDim>
-cudaError_t launch_merge_partials(const Params& p, cudaStream_t stream) {
+template <typename DTypeO, int kHeadDim>
+cudaError_t launch_merge_partials(const MergeArgs& p, cudaStream_t stream) {
   constexpr int kHeadsPerBlock = 4;
-  const dim3 grid(p.batch_size, (p.num_qo_heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
+  const dim3 grid(p.rows, (p.num_qo_heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
   const dim3 block(kHeadDim / 4, kHeadsPerBlock);
-  merge_partials_kernel<Params, DTypeO, kHeadDim><<<grid, block, 0, stream>>>(p);
+  merge_partials_kernel<DTypeO, kHeadDim><<<grid, block, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
