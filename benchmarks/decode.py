@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ._timing import copy_bandwidth_gbps, time_cuda_us
+
 NUM_QO_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_DIM = 128
@@ -49,36 +51,6 @@ def parse_args(argv):
     p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")
     p.add_argument("--out", help="also write the results as JSON to this file")
     return p.parse_args(argv)
-
-
-# ---------------------------------------------------------------------------------------
-# timing
-
-
-def time_cuda_us(fn, iters: int, warmup: int, flush=None) -> float:
-    """Median microseconds of fn() measured by CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    events = []
-    for _ in range(iters):
-        if flush is not None:
-            flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def copy_bandwidth_gbps(total_bytes: int = 4 << 30) -> float:
-    """Device-to-device copy of total_bytes, counted as read + write."""
-    src = torch.empty(total_bytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    us = time_cuda_us(lambda: dst.copy_(src), iters=20, warmup=3)
-    del src, dst
-    return 2 * total_bytes / (us * 1e3)
 
 
 # ---------------------------------------------------------------------------------------

@@ -173,10 +173,22 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.kind is Kind.DECODE and s.dtype_kv.is_fp8,
     ),
     Rule(
-        "prefill-not-built",
-        "prefill kernels ({s.backend.value}) are not part of this version",
-        "use kind decode; prefill arrives with the FA2/FA3 prefill kernels",
-        lambda s: s.kind is Kind.PREFILL,
+        "fa3-not-built",
+        "fa3 kernels are not part of this version",
+        "use backend fa2 (runs on sm80+, Hopper included)",
+        lambda s: _fa3(s),
+    ),
+    Rule(
+        "prefill-fp8-kv-not-built",
+        "the fa2 prefill kernel does not yet dequantize an fp8 KV cache ({s.dtype_kv.short})",
+        "use a bf16/fp16 KV cache for prefill",
+        lambda s: s.kind is Kind.PREFILL and s.backend is Backend.FA2 and s.dtype_kv.is_fp8,
+    ),
+    Rule(
+        "prefill-no-fp16-qk-reduction",
+        "the fa2 prefill kernel accumulates q.k in fp32 only",
+        "turn fp16_qk_reduction off (fp32 accumulation is as fast on sm80+ tensor cores)",
+        lambda s: s.kind is Kind.PREFILL and s.fp16_qk_reduction,
     ),
 )
 

@@ -88,3 +88,25 @@ def decode_spec(*, backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType
         archs=archs,
     )
     return ensure_valid(spec)
+
+
+def prefill_spec(*, backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType, head_dim_qk: int,
+                 head_dim_vo: int, pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
+                 use_custom_mask: bool, archs: tuple[Arch, ...]) -> KernelSpec:
+    """The prefill spec for the planned arguments. "auto" resolves to fa2 (the only prefill family
+    of this version); an explicit fa3 is refused by the rules with their suggestion."""
+    spec = KernelSpec(
+        kind=Kind.PREFILL,
+        backend=Backend.FA3 if backend == "fa3" else Backend.FA2,
+        dtype_q=dtype_q,
+        dtype_kv=dtype_kv,
+        dtype_o=dtype_o,
+        head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo,
+        pos_encoding=pos_encoding,
+        use_sliding_window=use_sliding_window,
+        use_logits_soft_cap=use_logits_soft_cap,
+        use_custom_mask=use_custom_mask,
+        archs=archs,
+    )
+    return ensure_valid(spec)

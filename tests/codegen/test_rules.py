@@ -35,7 +35,10 @@ EXAMPLES = {
     "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
     "decode-no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
     "decode-fp8-kv-not-built": dict(dtype_kv=DType.E5M2),
-    "prefill-not-built": dict(kind=Kind.PREFILL),
+    "fa3-not-built": dict(FA3),
+    "prefill-fp8-kv-not-built": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3),
+    "prefill-no-fp16-qk-reduction": dict(kind=Kind.PREFILL, dtype_q=DType.FP16, dtype_kv=DType.FP16,
+                                         fp16_qk_reduction=True),
 }
 
 
@@ -55,6 +58,14 @@ def test_rule_fires(decode_spec, rule_id):
 def test_valid_decode_spec_passes(decode_spec):
     assert check(decode_spec) == []
     assert ensure_valid(decode_spec) is decode_spec
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256), (192, 128)])
+@pytest.mark.parametrize("pos_encoding", list(PosEncoding))
+def test_fa2_prefill_variants_pass(decode_spec, dims, pos_encoding):
+    spec = replace(decode_spec, kind=Kind.PREFILL, head_dim_qk=dims[0], head_dim_vo=dims[1], pos_encoding=pos_encoding,
+                   use_custom_mask=True, use_sliding_window=True, use_logits_soft_cap=True)
+    assert check(spec) == []
 
 
 def test_rules_are_complete_rows():

@@ -1,0 +1,260 @@
+"""Batch prefill benchmark: attnforge FA2 prefill (paged and ragged) vs torch SDPA, same run;
+and tensor-core vs CUDA-core decode.
+
+    python -m attnforge.benchmarks.prefill [--shapes 16x1024 4x4096 1x16384] [--out F.json]
+
+Prefill shape (the acceptance config): bf16, 32 query / 8 kv heads, head dim 128, every request
+L query tokens over the same L kv tokens, causal and non-causal; paged with page size 16 (pages
+scattered at random) and ragged. TFLOP/s counts 4 * B * L^2 * Hq * D, halved for causal.
+Peers: torch SDPA pinned to cuDNN and to FLASH_ATTENTION on dense [B, H, L, D] tensors holding
+the same contents. Decode: batch 64 x kv 4096, 8 kv heads, GQA groups 1, 4, 8, through
+BatchDecodeWithPagedKVCacheWrapper with use_tensor_cores False and True.
+
+Method: CUDA events around each call, median after warm-up, no L2 flush.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._timing import copy_bandwidth_gbps, time_cuda_us
+
+NUM_QO_HEADS = 32
+NUM_KV_HEADS = 8
+HEAD_DIM = 128
+PAGE_SIZE = 16
+DTYPE = torch.bfloat16
+WORKSPACE_BYTES = 256 << 20
+DECODE_BATCH, DECODE_KV_LEN, DECODE_GROUPS = 64, 4096, (1, 4, 8)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="attnforge bench prefill", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["16x1024", "4x4096", "1x16384"], help="BATCHxLEN (default: "
+                   "16x1024 4x4096 1x16384)")
+    p.add_argument("--iters", type=int, default=30, help="timed calls per kernel (median reported)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
+    p.add_argument("--no-decode", action="store_true", help="skip the tensor-core vs CUDA-core decode table")
+    p.add_argument("--out", help="also write the results as JSON to this file")
+    return p.parse_args(argv)
+
+
+@dataclass
+class Problem:
+    q: torch.Tensor  # [B*L, Hq, D]
+    k: torch.Tensor  # [B*L, Hkv, D] ragged
+    v: torch.Tensor
+    qo_indptr: torch.Tensor  # host int32 [B+1]
+    cache: tuple  # paged (k, v) NHD
+    page_indptr: torch.Tensor
+    page_ids: torch.Tensor  # device int32
+    last_page_len: torch.Tensor
+
+
+def make_problem(batch: int, length: int, seed: int = 0) -> Problem:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = batch * length
+    q, k, v = (torch.randn(total, heads, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+               for heads in (NUM_QO_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+    indptr = torch.arange(0, total + 1, length, dtype=torch.int32)
+    pages_per = -(-length // PAGE_SIZE)
+    pool = batch * pages_per
+    page_ids = torch.randperm(pool, device="cuda", generator=gen).to(torch.int32)
+    cache = []
+    for dense in (k, v):
+        padded = torch.zeros(batch, pages_per * PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        padded[:, :length] = dense.view(batch, length, NUM_KV_HEADS, HEAD_DIM)
+        paged = torch.empty(pool, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        paged.index_copy_(0, page_ids.long(), padded.view(pool, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM))
+        cache.append(paged)
+    last = torch.full((batch,), length - (pages_per - 1) * PAGE_SIZE, dtype=torch.int32)
+    return Problem(q, k, v, indptr, tuple(cache), torch.arange(0, pool + 1, pages_per, dtype=torch.int32),
+                   page_ids, last)
+
+
+def ours(problem: Problem, causal: bool, paged: bool):
+    """Plans once and returns (run, out)."""
+    import attnforge
+
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    out = torch.empty_like(problem.q)
+    if paged:
+        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace)
+        wrapper.plan(problem.qo_indptr, problem.page_indptr, problem.page_ids, problem.last_page_len, NUM_QO_HEADS,
+                     NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, causal=causal, q_data_type=DTYPE)
+        return (lambda: wrapper.run(problem.q, problem.cache, out=out)), out
+    wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    wrapper.plan(problem.qo_indptr, problem.qo_indptr, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, causal=causal,
+                 q_data_type=DTYPE)
+    return (lambda: wrapper.run(problem.q, problem.k, problem.v, out=out)), out
+
+
+def sdpa(problem: Problem, batch: int, causal: bool, backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def dense(x):  # [B*L, H, D] -> [B, H, L, D]
+        return x.view(batch, -1, x.shape[1], HEAD_DIM).transpose(1, 2)
+
+    q, k, v = dense(problem.q), dense(problem.k), dense(problem.v)
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    return run, run().transpose(1, 2).reshape(problem.q.shape)
+
+
+@dataclass
+class Row:
+    batch: int
+    length: int
+    causal: bool
+    paged_us: float
+    ragged_us: float
+    paged_tflops: float
+    ragged_tflops: float
+    cudnn_tflops: float | None
+    flash_tflops: float | None
+    notes: str = ""
+
+
+def verify() -> None:
+    """Ours vs attnforge.reference on a small ragged batch, paged and ragged, causal and not."""
+    from attnforge import reference
+
+    problem = make_problem(3, 300, seed=1)
+    for causal in (False, True):
+        o_ref, _ = reference.batch_prefill_ragged(problem.q, problem.k, problem.v, problem.qo_indptr,
+                                                  problem.qo_indptr, causal=causal)
+        for paged in (False, True):
+            run, out = ours(problem, causal, paged)
+            out.fill_(math.nan)
+            run()
+            err = (out.float() - o_ref.float()).abs().max().item()
+            if not math.isfinite(err) or err > 2e-2:
+                raise AssertionError(f"prefill (causal={causal}, paged={paged}) disagrees with the reference: "
+                                     f"max |error| = {err}")
+
+
+def measure(batch: int, length: int, causal: bool, args) -> Row:
+    from torch.nn.attention import SDPBackend
+
+    problem = make_problem(batch, length)
+    flops = 4 * batch * length * length * NUM_QO_HEADS * HEAD_DIM / (2 if causal else 1)
+    tflops = lambda us: flops / (us * 1e6)  # noqa: E731
+    times, outs = {}, {}
+    for paged in (True, False):
+        run, outs[paged] = ours(problem, causal, paged)
+        times[paged] = time_cuda_us(run, args.iters, args.warmup)
+    notes = []
+    if (outs[True].float() - outs[False].float()).abs().max().item() > 1e-2:
+        notes.append("paged and ragged outputs differ")
+    peers = {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        peers[name] = None
+        if args.no_peers:
+            continue
+        try:
+            run, peer_out = sdpa(problem, batch, causal, backend)
+            err = (peer_out.float() - outs[False].float()).abs().max().item()
+            if err > 5e-2:
+                notes.append(f"{name} output differs from ours by {err:.3g}")
+            peers[name] = tflops(time_cuda_us(run, args.iters, args.warmup))
+        except Exception as exc:  # a refusing backend is reported, not fatal
+            notes.append(f"{name} n/a: {str(exc).splitlines()[0][:120]}")
+    del problem
+    torch.cuda.empty_cache()
+    return Row(batch, length, causal, times[True], times[False], tflops(times[True]), tflops(times[False]),
+               peers["cudnn"], peers["flash"], "; ".join(notes))
+
+
+def decode_rows(args, copy_gbps: float) -> list[dict]:
+    """Tensor-core vs CUDA-core decode at batch 64 x kv 4096 for GQA groups 1, 4, 8."""
+    import attnforge
+
+    rows = []
+    pages_per = DECODE_KV_LEN // PAGE_SIZE
+    pool = DECODE_BATCH * pages_per
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cache = tuple(torch.randn(pool, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+                  for _ in range(2))
+    indptr = torch.arange(0, pool + 1, pages_per, dtype=torch.int32)
+    page_ids = torch.randperm(pool, device="cuda", generator=gen).to(torch.int32)
+    last = torch.full((DECODE_BATCH,), PAGE_SIZE, dtype=torch.int32)
+    kv_bytes = 2 * pool * PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
+    for group in DECODE_GROUPS:
+        heads = NUM_KV_HEADS * group
+        q = torch.randn(DECODE_BATCH, heads, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+        row = {"group": group}
+        outs = {}
+        for tensor_cores in (False, True):
+            wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), use_tensor_cores=tensor_cores)
+            wrapper.plan(indptr, page_ids, last, heads, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=DTYPE)
+            out = outs[tensor_cores] = torch.empty_like(q)
+            us = time_cuda_us(lambda: wrapper.run(q, cache, out=out), args.iters, args.warmup)
+            key = "tensor_cores" if tensor_cores else "cuda_cores"
+            row[f"{key}_us"] = us
+            row[f"{key}_pct_copy_bw"] = 100.0 * kv_bytes / (us * 1e3) / copy_gbps
+        row["max_abs_diff"] = (outs[True].float() - outs[False].float()).abs().max().item()
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[Row], decode: list[dict], copy_gbps: float) -> str:
+    lines = ["| batch x len | causal | paged (µs) | ragged (µs) | paged TFLOP/s | ragged TFLOP/s | SDPA cuDNN TFLOP/s "
+             "| SDPA FLASH TFLOP/s | ragged / FLASH | paged / ragged time | notes |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    fmt = lambda x: f"{x:.1f}" if x is not None else "n/a"  # noqa: E731
+    for r in rows:
+        vs_flash = f"{r.ragged_tflops / r.flash_tflops:.2f}" if r.flash_tflops else "n/a"
+        lines.append(f"| {r.batch} x {r.length} | {'yes' if r.causal else 'no'} | {r.paged_us:.1f} | {r.ragged_us:.1f} | "
+                     f"{r.paged_tflops:.1f} | {r.ragged_tflops:.1f} | {fmt(r.cudnn_tflops)} | {fmt(r.flash_tflops)} | "
+                     f"{vs_flash} | {r.paged_us / r.ragged_us:.3f} | {r.notes} |")
+    if decode:
+        lines += ["", f"Decode, batch {DECODE_BATCH} x kv {DECODE_KV_LEN}, {NUM_KV_HEADS} kv heads (copy bandwidth "
+                  f"{copy_gbps:.0f} GB/s):", "",
+                  "| group | CUDA cores (µs) | % copy BW | tensor cores (µs) | % copy BW | max abs diff |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for d in decode:
+            lines.append(f"| {d['group']} | {d['cuda_cores_us']:.1f} | {d['cuda_cores_pct_copy_bw']:.1f} | "
+                         f"{d['tensor_cores_us']:.1f} | {d['tensor_cores_pct_copy_bw']:.1f} | {d['max_abs_diff']:.2g} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        print("attnforge bench prefill: needs a CUDA device", file=sys.stderr)
+        return 2
+    try:
+        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
+    except ValueError:
+        print(f"--shapes: expected BATCHxLEN items, got {args.shapes}", file=sys.stderr)
+        return 2
+    try:
+        verify()
+    except AssertionError as exc:
+        print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
+        return 1
+    rows = [measure(b, n, causal, args) for b, n in shapes for causal in (False, True)]
+    copy_gbps = copy_bandwidth_gbps()
+    decode = [] if args.no_decode else decode_rows(args, copy_gbps)
+    print(markdown(rows, decode, copy_gbps))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_gbps=copy_gbps,
+                           rows=[asdict(r) for r in rows], decode=decode), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""KV cache tensors as the kernels see them: split into K and V, checked against the plan, and
+reduced to element strides. Shared by every wrapper that reads a paged or ragged cache."""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks
+
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def check_layout(kv_layout: str) -> str:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
+    return kv_layout
+
+
+def split_paged(paged_kv_cache, kv_layout: str, page_size: int, num_kv_heads: int, head_dim_qk: int,
+                head_dim_vo: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of a tuple or single-tensor paged cache, each checked to be a 4-D page
+    array of the planned shape, dtype and device, both with the same number of pages."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"paged_kv_cache: expected a (k_cache, v_cache) pair, got {len(paged_kv_cache)} tensors")
+        k_cache, v_cache = paged_kv_cache
+        checks.tensor(k_cache, "paged_kv_cache[0] (k_cache)")
+        checks.tensor(v_cache, "paged_kv_cache[1] (v_cache)")
+    else:
+        checks.tensor(paged_kv_cache, "paged_kv_cache")
+        if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+            raise ValueError(f"paged_kv_cache: a single tensor must be [num_pages, 2, ...] ({kv_layout} pages "
+                             f"after the K/V axis), got shape {tuple(paged_kv_cache.shape)}")
+        k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    per_page = (page_size, num_kv_heads) if kv_layout == "NHD" else (num_kv_heads, page_size)
+    layout = ("[num_pages, page_size, num_kv_heads, head_dim]" if kv_layout == "NHD"
+              else "[num_pages, num_kv_heads, page_size, head_dim]")
+    for name, cache, head_dim in (("k_cache", k_cache, head_dim_qk), ("v_cache", v_cache, head_dim_vo)):
+        checks.dtype(cache, name, dtype, "kv_data_type given to plan()")
+        checks.device(cache, name, device)
+        if cache.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D {kv_layout} cache {layout}, got shape {tuple(cache.shape)}")
+        checks.shape(cache, name, (cache.shape[0], *per_page, head_dim), f"{kv_layout}: {layout}")
+        checks.vector_aligned(cache, name)
+    if k_cache.shape[0] != v_cache.shape[0]:
+        raise ValueError(f"paged_kv_cache: k and v caches must hold the same number of pages, got "
+                         f"{k_cache.shape[0]} and {v_cache.shape[0]}")
+    return k_cache, v_cache
+
+
+def paged_strides(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int]:
+    """(page, token, head) strides in elements of a 4-D page array."""
+    if kv_layout == "NHD":
+        return cache.stride(0), cache.stride(1), cache.stride(2)
+    return cache.stride(0), cache.stride(2), cache.stride(1)
+
+
+def check_ragged(k: torch.Tensor, v: torch.Tensor, kv_layout: str, num_tokens: int, num_kv_heads: int,
+                 head_dim_qk: int, head_dim_vo: int, dtype: torch.dtype, device: torch.device) -> None:
+    """k [tokens, heads, head_dim_qk] and v [tokens, heads, head_dim_vo] (NHD), or heads first
+    (HND), with the planned sizes, dtype and device."""
+    for name, x, dim in (("k", k, head_dim_qk), ("v", v, head_dim_vo)):
+        checks.tensor(x, name)
+        checks.dtype(x, name, dtype, "kv_data_type given to plan()")
+        checks.device(x, name, device)
+        expected = (num_tokens, num_kv_heads, dim) if kv_layout == "NHD" else (num_kv_heads, num_tokens, dim)
+        checks.shape(x, name, expected, "[kv_indptr[-1], num_kv_heads, head_dim]" if kv_layout == "NHD"
+                     else "[num_kv_heads, kv_indptr[-1], head_dim]")
+        checks.vector_aligned(x, name)
+
+
+def ragged_strides(k: torch.Tensor, kv_layout: str) -> tuple[int, int]:
+    """(token, head) strides in elements of a ragged K or V."""
+    return (k.stride(0), k.stride(1)) if kv_layout == "NHD" else (k.stride(1), k.stride(0))

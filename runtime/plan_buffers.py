@@ -1,0 +1,90 @@
+"""What every wrapper's plan() shares: the float workspace, the plan image's pinned host and
+device buffers with their one asynchronous upload, the caller's stream, and the output checks."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import checks
+
+
+def current_stream(device_index: int) -> int:
+    """The caller's current stream on the device, as a raw handle (the public accessor builds a
+    Stream object per call, a few µs that every run() would pay)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def float_workspace(buffer, name: str = "float_workspace_buffer") -> torch.Tensor:
+    checks.tensor(buffer, name)
+    if not buffer.is_cuda or not buffer.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous CUDA tensor, got "
+                         f"{'a non-contiguous' if buffer.is_cuda else 'a ' + str(buffer.device)} tensor")
+    return buffer
+
+
+class PlanImage:
+    """The int32 plan image: filled on the host in pinned memory, uploaded with one async copy.
+    The host buffer is refilled only after its previous upload finished; under CUDA graphs the
+    device buffer never moves (captured kernels hold its address)."""
+
+    def __init__(self, device: torch.device, fixed_address: bool) -> None:
+        self.device = device
+        self.fixed_address = fixed_address
+        self.host = torch.empty(0, dtype=torch.int32)
+        self.on_device = torch.empty(0, dtype=torch.int32, device=device)
+        self._upload_done: torch.cuda.Event | None = None
+
+    def host_buffer(self, size: int) -> torch.Tensor:
+        if self._upload_done is not None:
+            self._upload_done.synchronize()
+        else:
+            self._upload_done = torch.cuda.Event()
+        if self.host.numel() < size:
+            self.host = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        if self.on_device.numel() < size:
+            if self.fixed_address and self.on_device.numel() > 0:
+                raise ValueError("plan(): a CUDA-graph wrapper cannot grow its plan buffer; keep batch size and "
+                                 "heads fixed across plans")
+            self.on_device = torch.empty(size, dtype=torch.int32, device=self.device)
+        return self.host
+
+    def upload(self, size: int) -> None:
+        self.on_device[:size].copy_(self.host[:size], non_blocking=True)
+        self._upload_done.record()
+
+    def read_slot(self, index: int) -> int:
+        """A header slot as the kernels left it (synchronizes: debug paths only)."""
+        torch.cuda.synchronize(self.device)
+        return int(self.on_device[index])
+
+
+def output(out, name: str, shape: tuple, dtype: torch.dtype, device: torch.device, why: str) -> torch.Tensor:
+    """The caller's `out` checked against what plan() promised, or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    checks.tensor(out, name)
+    checks.dtype(out, name, dtype, "o_data_type given to plan()")
+    checks.device(out, name, device)
+    checks.shape(out, name, shape, why)
+    checks.vector_aligned(out, name)
+    return out
+
+
+def lse_output(lse, shape: tuple, device: torch.device, why: str) -> torch.Tensor:
+    if lse is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    checks.tensor(lse, "lse")
+    checks.dtype(lse, "lse", torch.float32)
+    checks.device(lse, "lse", device)
+    checks.shape(lse, "lse", shape, why)
+    if not lse.is_contiguous():
+        raise ValueError("lse: expected a contiguous tensor")
+    return lse

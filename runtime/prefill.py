@@ -1,0 +1,501 @@
+"""Batch prefill over a paged or ragged KV cache: FlashInfer's BatchPrefillWithPagedKVCacheWrapper
+and BatchPrefillWithRaggedKVCacheWrapper, and single_prefill_with_kv_cache.
+
+plan() validates the index arrays on the host, derives the kernel spec (building the module on
+first use), schedules (request, q tile, kv chunk) work items through the module's C++ planner and
+uploads the plan with one asynchronous copy. run() checks tensor metadata, patches pointers into
+the parameter struct and launches on the caller's current stream without waiting for the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
+from attnforge.codegen.dtypes import DType
+from attnforge.codegen.spec import PosEncoding
+
+from . import checks, dispatch, kv_cache
+from .loader import Module, load
+from .mask import segment_packbits
+from .plan_buffers import PlanImage, current_stream, float_workspace, lse_output, num_sms, output
+from .prefill_planner import MIN_CHUNK_TOKENS, PrefillPlanLayout, cta_tile_q, prefill_work_capacity
+from .settings import settings
+
+LOG2_E = math.log2(math.e)
+
+
+@functools.cache
+def _prefill_module(backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType, head_dim_qk: int, head_dim_vo: int,
+                    pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
+                    use_custom_mask: bool, device_index: int) -> Module:
+    spec = dispatch.prefill_spec(
+        backend=backend, dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_o, head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo, pos_encoding=pos_encoding, use_sliding_window=use_sliding_window,
+        use_logits_soft_cap=use_logits_soft_cap, use_custom_mask=use_custom_mask,
+        archs=dispatch.device_archs(device_index))
+    return load(spec)
+
+
+@functools.cache
+def _max_ctas(module: Module, tile: int, paged: bool, device_index: int) -> int:
+    ctas_per_sm = ctypes.c_int32()
+    module.check(module.fns["prefill_occupancy"](tile, int(paged), device_index, ctypes.byref(ctas_per_sm)),
+                 "prefill occupancy query")
+    return num_sms(device_index) * max(ctas_per_sm.value, 1)
+
+
+@dataclass
+class _Plan:
+    """What run() needs from plan()."""
+
+    module: Module
+    params: ctypes.Structure
+    total_q: int
+    total_kv: int  # ragged: kv_indptr[-1]
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    page_size: int
+    dtype_q: torch.dtype
+    dtype_kv: torch.dtype
+    dtype_o: torch.dtype
+    sm_scale: float
+    soft_cap: float
+    window_left: int
+    host_max_page: int | None
+    keep_alive: tuple  # device tensors the kernel reads (page ids, packed mask)
+
+
+class _BatchPrefillWrapper:
+    """plan()/run() machinery shared by the paged and ragged wrappers."""
+
+    _paged: bool
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str, use_cuda_graph: bool, backend: str,
+                 jit_args, jit_kwargs) -> None:
+        self._workspace = float_workspace(float_workspace_buffer)
+        self._device = float_workspace_buffer.device
+        self._kv_layout = kv_cache.check_layout(kv_layout)
+        if jit_args is not None or jit_kwargs is not None:
+            raise ValueError("jit_args/jit_kwargs: custom attention variants are not supported; leave them None")
+        self._backend = dispatch.parse_backend(backend)
+        self._graph = bool(use_cuda_graph)
+        self._graph_shape: tuple[int, int] | None = None  # (batch, rows) the first graph plan fixed
+        self._image = PlanImage(self._device, fixed_address=self._graph)
+        self._plan: _Plan | None = None
+        self._debug = settings().debug
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._graph
+
+    def _device_index(self) -> int:
+        return self._device.index if self._device.index is not None else torch.cuda.current_device()
+
+    # ------------------------------------------------------------------ plan
+    def _plan_batch(self, *, qo_indptr, kv_indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
+                    head_dim_qk: int, head_dim_vo: int | None, page_size: int, custom_mask, packed_custom_mask,
+                    causal: bool, pos_encoding_mode, use_fp16_qk_reduction: bool, sm_scale, window_left: int,
+                    logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
+                    fixed_split_size, disable_split_kv: bool) -> None:
+        qo_indptr = checks.host_int32(qo_indptr, "qo_indptr")
+        batch_size = qo_indptr.numel() - 1
+        if batch_size < 1:
+            raise ValueError(f"qo_indptr: expected at least 2 entries (batch_size + 1), got {qo_indptr.numel()}")
+        kv_name = "paged_kv_indptr" if self._paged else "kv_indptr"
+        kv_indptr = checks.host_int32(kv_indptr, kv_name, batch_size + 1)
+        num_qo_heads = checks.positive_int(num_qo_heads, "num_qo_heads")
+        num_kv_heads = checks.positive_int(num_kv_heads, "num_kv_heads")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        head_dim_qk = checks.positive_int(head_dim_qk, "head_dim_qk")
+        head_dim_vo = head_dim_qk if head_dim_vo is None else checks.positive_int(head_dim_vo, "head_dim_vo")
+        page_size = checks.positive_int(page_size, "page_size")
+        if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+            raise ValueError(f"window_left: expected -1 (no window) or a non-negative int, got {window_left!r}")
+        soft_cap = float(logits_soft_cap or 0.0)
+        if soft_cap < 0 or not math.isfinite(soft_cap):
+            raise ValueError(f"logits_soft_cap: expected None, 0 or a positive float, got {logits_soft_cap!r}")
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(head_dim_qk)
+        elif not (isinstance(sm_scale, (int, float)) and sm_scale > 0 and math.isfinite(sm_scale)):
+            raise ValueError(f"sm_scale: expected a positive float or None, got {sm_scale!r}")
+        rope_scale = _positive_or_default(rope_scale, "rope_scale", 1.0)
+        rope_theta = _positive_or_default(rope_theta, "rope_theta", 1e4)
+        if fixed_split_size is not None and fixed_split_size != -1:
+            checks.positive_int(fixed_split_size, "fixed_split_size")
+        if custom_mask is not None and packed_custom_mask is not None:
+            raise ValueError("custom_mask, packed_custom_mask: pass one of them, not both")
+        use_custom_mask = custom_mask is not None or packed_custom_mask is not None
+        if use_custom_mask and causal:
+            raise ValueError("causal=True with a custom mask: the custom mask replaces the causal mask; pass "
+                             "causal=False (and put the causal pattern into the mask if you want it)")
+
+        dtype_q = dispatch.to_dtype(q_data_type, "q_data_type")
+        dtype_kv = dispatch.to_dtype(kv_data_type, "kv_data_type", allow_none=True) or dtype_q
+        dtype_o = dispatch.to_dtype(o_data_type, "o_data_type", allow_none=True) or dtype_q.default_output
+        device_index = self._device_index()
+        module = _prefill_module(self._backend, dtype_q, dtype_kv, dtype_o, head_dim_qk, head_dim_vo,
+                                 dispatch.parse_pos_encoding(pos_encoding_mode), window_left >= 0, soft_cap > 0,
+                                 use_custom_mask, device_index)
+        if use_fp16_qk_reduction:
+            raise ValueError("use_fp16_qk_reduction: the fa2 prefill kernels accumulate q.k in fp32; pass False")
+
+        keep_alive = []
+        host_max_page = None
+        if self._paged:
+            indices, host_max_page = _stage_page_ids(indices, int(kv_indptr[-1]), self._device)
+            keep_alive.append(indices)
+            last_page_len = checks.host_int32(last_page_len, "paged_kv_last_page_len", batch_size)
+        group = num_qo_heads // num_kv_heads
+        total_q = int(qo_indptr[-1])
+        tile = cta_tile_q(group * total_q / batch_size if not self._graph else group * (total_q - batch_size + 1),
+                          head_dim_qk)
+        max_ctas = _max_ctas(module, tile, self._paged, device_index)
+        if self._graph:
+            if self._graph_shape is None:
+                self._graph_shape = (batch_size, total_q)
+            elif batch_size != self._graph_shape[0] or total_q > self._graph_shape[1]:
+                raise ValueError(f"qo_indptr: this CUDA-graph wrapper was planned for batch_size={self._graph_shape[0]} "
+                                 f"and at most {self._graph_shape[1]} query tokens, got {batch_size} and {total_q}")
+        rows = self._graph_shape[1] if self._graph else total_q
+        capacity = prefill_work_capacity(batch_size, rows, group, tile, max_ctas, num_kv_heads)
+        layout = PrefillPlanLayout(batch_size, capacity, rows)
+        offsets = layout.offsets()
+        image = self._image.host_buffer(layout.size)
+
+        binding = module.binding
+        args = binding.PrefillPlanArgs(
+            qo_indptr=qo_indptr.data_ptr(), kv_indptr=kv_indptr.data_ptr(),
+            last_page_len=last_page_len.data_ptr() if self._paged else None, image=image.data_ptr(),
+            batch_size=batch_size, page_size=page_size if self._paged else 1,
+            num_indices=indices.numel() if self._paged else 0, paged=int(self._paged), group_size=group,
+            num_kv_heads=num_kv_heads, cta_tile_q=tile, causal=int(bool(causal)), window_left=window_left,
+            max_ctas=max_ctas, fixed_split_tokens=_split_tokens(fixed_split_size, page_size if self._paged else 1),
+            disable_split_kv=int(bool(disable_split_kv)), min_chunk_tokens=MIN_CHUNK_TOKENS,
+            work_capacity=capacity, row_capacity=rows, **offsets)
+        info = binding.PrefillPlanInfo()
+        status = module.fns["prefill_plan"](ctypes.byref(args), ctypes.byref(info))
+        if status != 0:
+            raise ValueError(f"plan(): {module.last_error()}")
+
+        mask = None
+        if use_custom_mask:
+            mask = self._stage_mask(custom_mask, packed_custom_mask, qo_indptr, image, offsets["off_kv_len"],
+                                    offsets["off_mask_indptr"], batch_size)
+            keep_alive.append(mask)
+        slots = capacity * tile if self._graph else info.num_partials
+        v_bytes = -(-slots * num_qo_heads * head_dim_vo * 4 // 256) * 256
+        s_bytes = slots * num_qo_heads * 4
+        available = self._workspace.numel() * self._workspace.element_size()
+        if v_bytes + s_bytes > available:
+            raise ValueError(f"float_workspace_buffer: this plan needs {v_bytes + s_bytes} bytes for split-KV partials, "
+                             f"the buffer has {available}; allocate at least that many (128 MiB covers typical batches)")
+        self._image.upload(layout.size)
+
+        workspace_ptr = self._workspace.data_ptr()
+        params = binding.PrefillParams(
+            indices=indices.data_ptr() if self._paged else None, custom_mask=mask.data_ptr() if mask is not None else None,
+            plan=self._image.on_device.data_ptr(), tmp_v=workspace_ptr, tmp_s=workspace_ptr + v_bytes,
+            batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group_size=group,
+            page_size=page_size if self._paged else 1, work_capacity=capacity if self._graph else info.num_work,
+            row_capacity=rows, causal=int(bool(causal)), window_left=window_left, cta_tile_q=tile,
+            paged=int(self._paged), run_merge=int(self._graph or info.num_partials > 0), device=device_index,
+            debug_sync=int(self._debug), rope_rcp_scale=1.0 / rope_scale, rope_rcp_theta=1.0 / rope_theta,
+            **{name: value for name, value in offsets.items() if hasattr(binding.PrefillParams, name)})
+        self._plan = _Plan(
+            module=module, params=params, total_q=total_q, total_kv=int(kv_indptr[-1]), num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size,
+            dtype_q=dispatch.torch_dtype(dtype_q), dtype_kv=dispatch.torch_dtype(dtype_kv),
+            dtype_o=dispatch.torch_dtype(dtype_o), sm_scale=float(sm_scale), soft_cap=soft_cap,
+            window_left=window_left, host_max_page=host_max_page, keep_alive=tuple(keep_alive))
+
+    def _stage_mask(self, custom_mask, packed_custom_mask, qo_indptr, image, off_kv_len: int, off_mask_indptr: int,
+                    batch_size: int) -> torch.Tensor:
+        """The bit-packed mask on the device, and its per-request byte offsets in the plan image."""
+        qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
+        kv_lens = image[off_kv_len: off_kv_len + batch_size].to(torch.int64)
+        bits = qo_lens * kv_lens
+        if custom_mask is not None:
+            checks.tensor(custom_mask, "custom_mask")
+            flat = custom_mask.reshape(-1)
+            if flat.numel() != int(bits.sum()):
+                raise ValueError(f"custom_mask: expected sum(qo_len * kv_len) = {int(bits.sum())} booleans, got "
+                                 f"{flat.numel()}")
+            bit_indptr = torch.zeros(batch_size + 1, dtype=torch.int64)
+            torch.cumsum(bits, 0, out=bit_indptr[1:])
+            packed, byte_indptr = segment_packbits(flat.to(torch.bool), bit_indptr.to(flat.device), bitorder="little")
+            byte_indptr = byte_indptr.cpu()
+        else:
+            checks.tensor(packed_custom_mask, "packed_custom_mask")
+            checks.dtype(packed_custom_mask, "packed_custom_mask", torch.uint8)
+            byte_indptr = torch.zeros(batch_size + 1, dtype=torch.int64)
+            torch.cumsum((bits + 7) // 8, 0, out=byte_indptr[1:])
+            if packed_custom_mask.numel() != int(byte_indptr[-1]):
+                raise ValueError(f"packed_custom_mask: expected {int(byte_indptr[-1])} bytes (each request's "
+                                 f"qo_len * kv_len bits padded to whole bytes), got {packed_custom_mask.numel()}")
+            packed = packed_custom_mask
+        image[off_mask_indptr: off_mask_indptr + batch_size + 1] = byte_indptr.to(torch.int32)
+        return packed.to(self._device, non_blocking=True).contiguous()
+
+    # ------------------------------------------------------------------ run
+    def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_strides: tuple, v_strides: tuple,
+                num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool) -> object:
+        plan = self._plan
+        if args:
+            raise TypeError("run(): positional scales are only accepted with an fp8 query; pass q_scale/k_scale/"
+                            "v_scale as keywords")
+        checks.tensor(q, "q")
+        checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
+        checks.device(q, "q", self._device)
+        checks.shape(q, "q", (plan.total_q, plan.num_qo_heads, plan.head_dim_qk),
+                     "[qo_indptr[-1], num_qo_heads, head_dim_qk]")
+        checks.vector_aligned(q, "q")
+        out = output(out, "out", (plan.total_q, plan.num_qo_heads, plan.head_dim_vo), plan.dtype_o, self._device,
+                     "[qo_indptr[-1], num_qo_heads, head_dim_vo]")
+        if return_lse:
+            lse = lse_output(lse, (plan.total_q, plan.num_qo_heads), self._device, "[qo_indptr[-1], num_qo_heads]")
+        q_scale = checks.scale(q_scale, "q_scale")
+        k_scale = checks.scale(k_scale, "k_scale")
+        v_scale = checks.scale(v_scale, "v_scale")
+        sm_scale = plan.sm_scale * (q_scale or 1.0) * (k_scale or 1.0)
+        params = plan.params
+        if plan.soft_cap > 0:
+            params.sm_scale_log2, params.soft_cap_log2 = sm_scale / plan.soft_cap, plan.soft_cap * LOG2_E
+        else:
+            params.sm_scale_log2, params.soft_cap_log2 = sm_scale * LOG2_E, LOG2_E
+        params.q, params.k, params.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        params.o, params.lse = out.data_ptr(), lse.data_ptr() if return_lse else None
+        params.q_stride_n, params.q_stride_h = q.stride(0), q.stride(1)
+        params.o_stride_n, params.o_stride_h = out.stride(0), out.stride(1)
+        params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = k_strides
+        params.v_stride_page, params.v_stride_token, params.v_stride_head = v_strides
+        params.num_pages = num_pages
+        stream = current_stream(self._device_index())
+        plan.module.check(plan.module.fns["prefill_run"](ctypes.byref(params), stream), "prefill run")
+        if params.debug_sync and self._image.read_slot(PLAN_HEADER.index("error")) & PLAN_ERROR_BAD_PAGE:
+            raise RuntimeError(f"{plan.module.spec.uri}: fa2::prefill_kernel read a page id outside [0, {num_pages}) "
+                               "from paged_kv_indices; the affected outputs are NaN")
+        if v_scale is not None and v_scale != 1.0:
+            out.mul_(v_scale)
+        return (out, lse) if return_lse else out
+
+    def _require_plan(self) -> _Plan:
+        if self._plan is None:
+            raise RuntimeError("run() called before plan(): call plan() with the batch's indptr arrays first")
+        return self._plan
+
+    def end_forward(self) -> None:
+        """FlashInfer compatibility: nothing to release."""
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
+    """Prefill (or append, or speculative verify) attention of ragged queries over a paged KV cache,
+    with FlashInfer's constructor, plan() and run() arguments. LSE is base 2."""
+
+    _paged = True
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
+                 jit_args=None, jit_kwargs=None) -> None:
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, jit_kwargs)
+        self._graph_indices = None
+        if self._graph:
+            if paged_kv_indices_buf is None:
+                raise ValueError("paged_kv_indices_buf: use_cuda_graph=True needs a preallocated int32 CUDA buffer for "
+                                 "the page ids, so the captured kernels read a fixed address")
+            checks.tensor(paged_kv_indices_buf, "paged_kv_indices_buf")
+            checks.dtype(paged_kv_indices_buf, "paged_kv_indices_buf", torch.int32)
+            checks.device(paged_kv_indices_buf, "paged_kv_indices_buf", self._device)
+            self._graph_indices = paged_kv_indices_buf
+
+    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+             paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
+             page_size: int, head_dim_vo: int | None = None, custom_mask=None, packed_custom_mask=None,
+             causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
+             rope_scale: float | None = None, rope_theta: float | None = None, q_data_type="float16",
+             kv_data_type=None, o_data_type=None, non_blocking: bool = True, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False, **unsupported) -> None:
+        """Schedule a batch: qo_indptr [batch+1] (query tokens), paged_kv_indptr [batch+1] (pages) and
+        paged_kv_last_page_len [batch] are int32 host tensors; paged_kv_indices holds the page ids."""
+        _refuse(unsupported)
+        if self._graph:
+            paged_kv_indices = _copy_into(self._graph_indices, paged_kv_indices, "paged_kv_indices_buf")
+        self._plan_batch(
+            qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr, indices=paged_kv_indices,
+            last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+            use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
+            kv_data_type=kv_data_type, o_data_type=o_data_type, fixed_split_size=fixed_split_size,
+            disable_split_kv=disable_split_kv)
+
+    begin_forward = plan
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+            enable_pdl: bool | None = None, window_left: int | None = None, sinks=None):
+        """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over the planned pages. Returns o,
+        or (o, lse) with lse [qo_indptr[-1], num_qo_heads] fp32 base 2."""
+        plan = self._require_plan()
+        _refuse_run_extras(plan, enable_pdl, window_left, sinks)
+        k_cache, v_cache = kv_cache.split_paged(paged_kv_cache, self._kv_layout, plan.page_size, plan.num_kv_heads,
+                                                plan.head_dim_qk, plan.head_dim_vo, plan.dtype_kv, self._device)
+        num_pages = k_cache.shape[0]
+        if plan.host_max_page is not None and plan.host_max_page >= num_pages:
+            raise ValueError(f"paged_kv_indices: page id {plan.host_max_page} is out of range for a cache of "
+                             f"{num_pages} pages")
+        return self._launch(q, k_cache, v_cache, kv_cache.paged_strides(k_cache, self._kv_layout),
+                            kv_cache.paged_strides(v_cache, self._kv_layout), num_pages, args, q_scale, k_scale,
+                            v_scale, out, lse, return_lse)
+
+    forward = run
+
+    def run_return_lse(self, q: torch.Tensor, paged_kv_cache, *args, **kwargs):
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
+    """Prefill attention of ragged queries over ragged (contiguous per request) keys and values,
+    with FlashInfer's constructor, plan() and run() arguments. LSE is base 2."""
+
+    _paged = False
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
+                 backend: str = "auto", jit_args=None, jit_kwargs=None) -> None:
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, jit_kwargs)
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim_qk: int, head_dim_vo: int | None = None, custom_mask=None, packed_custom_mask=None,
+             causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             window_left: int = -1, logits_soft_cap: float | None = None, sm_scale: float | None = None,
+             rope_scale: float | None = None, rope_theta: float | None = None, q_data_type="float16",
+             kv_data_type=None, o_data_type=None, non_blocking: bool = True, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False, **unsupported) -> None:
+        """Schedule a batch: qo_indptr and kv_indptr [batch+1] are int32 host token indptrs."""
+        _refuse(unsupported)
+        self._plan_batch(
+            qo_indptr=qo_indptr, kv_indptr=kv_indptr, indices=None, last_page_len=None, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=1,
+            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+            pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
+            window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+
+    begin_forward = plan
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None, k_scale=None,
+            v_scale=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+            enable_pdl: bool | None = None, window_left: int | None = None, sinks=None):
+        """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over k [kv_indptr[-1], num_kv_heads,
+        head_dim_qk] and v [..., head_dim_vo] (NHD; HND puts heads first)."""
+        plan = self._require_plan()
+        _refuse_run_extras(plan, enable_pdl, window_left, sinks)
+        kv_cache.check_ragged(k, v, self._kv_layout, plan.total_kv, plan.num_kv_heads, plan.head_dim_qk,
+                              plan.head_dim_vo, plan.dtype_kv, self._device)
+        k_token, k_head = kv_cache.ragged_strides(k, self._kv_layout)
+        v_token, v_head = kv_cache.ragged_strides(v, self._kv_layout)
+        return self._launch(q, k, v, (0, k_token, k_head), (0, v_token, v_head), 0, args, q_scale, k_scale, v_scale,
+                            out, lse, return_lse)
+
+    forward = run
+
+    def run_return_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs):
+        return self.run(q, k, v, *args, return_lse=True, **kwargs)
+
+
+_single_workspaces: dict[torch.device, torch.Tensor] = {}
+SINGLE_WORKSPACE_BYTES = 64 << 20
+
+
+def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q=None, scale_k=None,
+                                 scale_v=None, o_dtype=None, custom_mask=None, packed_custom_mask=None,
+                                 causal: bool = False, kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
+                                 use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
+                                 window_left: int = -1, logits_soft_cap: float | None = None,
+                                 rope_scale: float | None = None, rope_theta: float | None = None,
+                                 backend: str = "auto", return_lse: bool = False):
+    """Prefill attention of one request: q [qo_len, num_qo_heads, head_dim_qk] over k/v
+    [kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(x, name)
+        if x.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D tensor, got shape {tuple(x.shape)}")
+    kv_cache.check_layout(kv_layout)
+    kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
+    workspace = _single_workspaces.get(q.device)
+    if workspace is None:
+        workspace = _single_workspaces[q.device] = torch.empty(SINGLE_WORKSPACE_BYTES, dtype=torch.uint8,
+                                                               device=q.device)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout, backend=backend)
+    wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
+                 q.shape[1], num_kv_heads, q.shape[2], v.shape[2], custom_mask=custom_mask,
+                 packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+                 use_fp16_qk_reduction=use_fp16_qk_reduction, window_left=window_left,
+                 logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+                 q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)
+    return wrapper.run(q, k, v, q_scale=scale_q, k_scale=scale_k, v_scale=scale_v, return_lse=return_lse)
+
+
+def _positive_or_default(value, name: str, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{name}: expected a positive float or None, got {value!r}")
+    return float(value)
+
+
+def _split_tokens(fixed_split_size, page_size: int) -> int:
+    return fixed_split_size * page_size if fixed_split_size and fixed_split_size > 0 else 0
+
+
+def _stage_page_ids(indices, used: int, device: torch.device) -> tuple[torch.Tensor, int | None]:
+    """Page ids on the device; the largest id when they came from the host, where checking is free."""
+    checks.tensor(indices, "paged_kv_indices")
+    checks.dtype(indices, "paged_kv_indices", torch.int32)
+    if indices.dim() != 1:
+        raise ValueError(f"paged_kv_indices: expected a 1-D tensor of page ids, got shape {tuple(indices.shape)}")
+    host_max = None
+    if not indices.is_cuda:
+        host_max = int(indices[:used].max()) if used > 0 else -1
+        if used > 0 and int(indices[:used].min()) < 0:
+            raise ValueError("paged_kv_indices: page ids must be >= 0, got a negative id")
+    elif indices.device != device:
+        raise ValueError(f"paged_kv_indices: expected a tensor on {device} (the workspace's device), got {indices.device}")
+    return indices.to(device, non_blocking=True).contiguous(), host_max
+
+
+def _copy_into(buffer: torch.Tensor, values: torch.Tensor, name: str) -> torch.Tensor:
+    """CUDA graphs: the captured kernels read `buffer`; refresh its contents in place."""
+    checks.tensor(values, "paged_kv_indices")
+    if buffer.numel() < values.numel():
+        raise ValueError(f"{name}: holds {buffer.numel()} entries, the plan needs {values.numel()}")
+    buffer[: values.numel()].copy_(values, non_blocking=True)
+    return buffer
+
+
+def _refuse(unsupported: dict) -> None:
+    given = {k: v for k, v in unsupported.items() if v is not None and v != 0}
+    if given:
+        raise ValueError(f"plan(): {', '.join(sorted(given))} not supported by attnforge's prefill kernels "
+                         "(multi-item scoring, trtllm-gen and cuDNN arguments); leave them unset")
+
+
+def _refuse_run_extras(plan: _Plan, enable_pdl, window_left, sinks) -> None:
+    if sinks is not None or enable_pdl:
+        raise ValueError("run(): attention sinks and PDL are not supported by the prefill kernels")
+    if window_left is not None and window_left != plan.window_left:
+        raise ValueError(f"window_left: plan() was called with {plan.window_left}, run() got {window_left}; "
+                         "plan again to change the window")

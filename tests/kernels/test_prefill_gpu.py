@@ -1,0 +1,282 @@
+"""FA2 batch prefill on the GPU against attnforge.reference, plus metamorphic checks.
+
+Shapes are drawn with hypothesis; kernel specs come from the short MODULES list (each build
+costs GPU-machine time). Everything that is a run-time argument varies: batch, ragged q and kv
+lengths, causal, page size, page table, layout, GQA group, window size, cap value, mask bits.
+Outputs are poisoned with NaN first; inputs are randn.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import strategies as st
+
+import attnforge
+from attnforge import reference
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+WORKSPACE = 256 << 20
+O_TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=5e-3, rtol=5e-3)}
+LSE_TOL = dict(atol=1e-2, rtol=1e-3)
+
+
+def gpu_settings(max_examples: int):
+    return settings(max_examples=max_examples, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.large_base_example])
+
+
+@dataclass(frozen=True)
+class Module:
+    dtype: torch.dtype = torch.bfloat16
+    head_dim_qk: int = 128
+    head_dim_vo: int = 128
+    soft_cap: bool = False
+    window: bool = False
+    mask: bool = False
+    pos: str = "NONE"
+
+
+PLAIN = [Module(), Module(head_dim_qk=64, head_dim_vo=64), Module(head_dim_qk=256, head_dim_vo=256),
+         Module(torch.float16), Module(head_dim_qk=192)]
+VARIANTS = [Module(window=True), Module(head_dim_qk=256, head_dim_vo=256, soft_cap=True, window=True),
+            Module(mask=True), Module(pos="ROPE_LLAMA"), Module(pos="ALIBI")]
+
+
+@dataclass
+class Case:
+    module: Module
+    qo_lens: list[int]
+    kv_lens: list[int]
+    causal: bool
+    paged: bool
+    layout: str
+    page_size: int
+    num_kv_heads: int
+    group: int
+    window_left: int = -1
+    soft_cap: float | None = None
+    seed: int = 0
+
+    @property
+    def num_qo_heads(self) -> int:
+        return self.num_kv_heads * self.group
+
+
+@st.composite
+def cases(draw, modules, max_batch: int = 8, max_qo: int = 2048, max_kv: int = 16384, token_budget: int = 40000):
+    module = draw(st.sampled_from(modules))
+    batch = draw(st.integers(1, max_batch))
+    causal = not module.mask and draw(st.booleans())
+    regime = draw(st.sampled_from(["short", "short", "medium", "long"]))
+    kv_hi = min({"short": 300, "medium": 4096, "long": max_kv}[regime], max(1, token_budget // batch))
+    kv_lens = draw(st.lists(st.integers(1, kv_hi), min_size=batch, max_size=batch))
+    qo_lens = [draw(st.integers(0 if i and draw(st.booleans()) and not causal else 1, min(kv, max_qo)))
+               for i, kv in enumerate(kv_lens)]
+    return Case(
+        module=module, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal, paged=draw(st.booleans()),
+        layout=draw(st.sampled_from(["NHD", "HND"])), page_size=draw(st.sampled_from([1, 5, 16, 64])),
+        num_kv_heads=draw(st.sampled_from([1, 2, 4])), group=draw(st.sampled_from([1, 2, 4, 5, 8])),
+        window_left=draw(st.integers(0, 512)) if module.window else -1,
+        soft_cap=draw(st.sampled_from([5.0, 30.0])) if module.soft_cap else None, seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k: torch.Tensor  # ragged NHD/HND
+    v: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    cache: tuple
+    page_indptr: torch.Tensor
+    page_ids: torch.Tensor
+    last_page_len: torch.Tensor
+    mask: torch.Tensor | None  # flat bool, sum(qo_len * kv_len)
+
+
+def indptr_of(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def build(case: Case) -> Batch:
+    gen = torch.Generator(device=DEVICE).manual_seed(case.seed)
+    m = case.module
+    total_q, total_kv = sum(case.qo_lens), sum(case.kv_lens)
+
+    def randn(*shape):
+        return torch.randn(shape, dtype=m.dtype, device=DEVICE, generator=gen)
+
+    q = randn(total_q, case.num_qo_heads, m.head_dim_qk)
+    k_nhd, v_nhd = randn(total_kv, case.num_kv_heads, m.head_dim_qk), randn(total_kv, case.num_kv_heads, m.head_dim_vo)
+    ps = case.page_size
+    pages = [math.ceil(n / ps) for n in case.kv_lens]
+    pool = sum(pages) + 3
+    page_ids = torch.randperm(pool, device=DEVICE, generator=gen)[: sum(pages)].to(torch.int32)
+    caches = []
+    for dense, dim in ((k_nhd, m.head_dim_qk), (v_nhd, m.head_dim_vo)):
+        paged = torch.randn(pool, ps, case.num_kv_heads, dim, dtype=m.dtype, device=DEVICE, generator=gen)
+        start, page = 0, 0
+        for n, p in zip(case.kv_lens, pages):
+            for j in range(p):
+                rows = dense[start + j * ps: start + min(n, (j + 1) * ps)]
+                paged[int(page_ids[page + j]), : rows.shape[0]] = rows
+            start, page = start + n, page + p
+        caches.append(paged if case.layout == "NHD" else paged.transpose(1, 2).contiguous())
+    k, v = (k_nhd, v_nhd) if case.layout == "NHD" else (k_nhd.transpose(0, 1).contiguous(),
+                                                         v_nhd.transpose(0, 1).contiguous())
+    mask = None
+    if m.mask:
+        mask = torch.rand(sum(a * b for a, b in zip(case.qo_lens, case.kv_lens)), device=DEVICE, generator=gen) < 0.6
+    last = torch.tensor([n - (p - 1) * ps for n, p in zip(case.kv_lens, pages)], dtype=torch.int32)
+    return Batch(q, k, v, indptr_of(case.qo_lens), indptr_of(case.kv_lens), tuple(caches), indptr_of(pages),
+                 page_ids, last, mask)
+
+
+def options(case: Case) -> dict:
+    return dict(causal=case.causal, window_left=case.window_left, logits_soft_cap=case.soft_cap,
+                pos_encoding_mode=case.module.pos)
+
+
+def run_ours(case: Case, batch: Batch, **plan_extra):
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
+    m = case.module
+    common = dict(head_dim_vo=m.head_dim_vo, custom_mask=batch.mask, q_data_type=m.dtype, **options(case), **plan_extra)
+    out = torch.full((batch.q.shape[0], case.num_qo_heads, m.head_dim_vo), math.nan, dtype=m.dtype, device=DEVICE)
+    lse = torch.full(out.shape[:2], math.nan, dtype=torch.float32, device=DEVICE)
+    if case.paged:
+        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout)
+        wrapper.plan(batch.qo_indptr, batch.page_indptr, batch.page_ids, batch.last_page_len, case.num_qo_heads,
+                     case.num_kv_heads, m.head_dim_qk, case.page_size, **common)
+        wrapper.run(batch.q, batch.cache, out=out, lse=lse, return_lse=True)
+    else:
+        wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout=case.layout)
+        wrapper.plan(batch.qo_indptr, batch.kv_indptr, case.num_qo_heads, case.num_kv_heads, m.head_dim_qk, **common)
+        wrapper.run(batch.q, batch.k, batch.v, out=out, lse=lse, return_lse=True)
+    return out, lse
+
+
+def run_reference(case: Case, batch: Batch):
+    packed, mask_indptr = None, None
+    if batch.mask is not None:
+        bits = indptr_of([a * b for a, b in zip(case.qo_lens, case.kv_lens)])
+        packed, mask_indptr = attnforge.segment_packbits(batch.mask, bits.to(DEVICE), bitorder="little")
+    k, v = (batch.k, batch.v)
+    if case.layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    return reference.batch_prefill_ragged(batch.q, k, v, batch.qo_indptr, batch.kv_indptr, packed_custom_mask=packed,
+                                          mask_indptr=mask_indptr, **options(case))
+
+
+def assert_matches_reference(case: Case, out, lse, o_ref, lse_ref):
+    assert not out.isnan().any(), "NaN in o (unwritten or poisoned output)"
+    torch.testing.assert_close(out.float(), o_ref.float(), **O_TOL[case.module.dtype])
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), seen), "lse is -inf exactly where a row sees no key"
+    torch.testing.assert_close(lse[seen], lse_ref[seen], **LSE_TOL)
+
+
+@pytest.mark.parametrize("modules", [PLAIN, VARIANTS], ids=["plain", "variants"])
+def test_prefill_matches_reference(modules):
+    @gpu_settings(max_examples=30)
+    @given(cases(modules))
+    def check(case):
+        note(repr(case))
+        batch = build(case)
+        out, lse = run_ours(case, batch)
+        assert_matches_reference(case, out, lse, *run_reference(case, batch))
+
+    check()
+
+
+@gpu_settings(max_examples=12)
+@given(cases(PLAIN[:1], max_batch=3, max_qo=64, token_budget=60000))
+def test_split_kv_equals_unsplit(case):
+    """Few requests with long KV get split; forcing it off must not change the answer."""
+    note(repr(case))
+    batch = build(case)
+    split = run_ours(case, batch, fixed_split_size=max(1, 256 // case.page_size) if case.paged else None)
+    whole = run_ours(case, batch, disable_split_kv=True)
+    torch.testing.assert_close(split[0].float(), whole[0].float(), **O_TOL[case.module.dtype])
+    seen = torch.isfinite(whole[1])
+    torch.testing.assert_close(split[1][seen], whole[1][seen], **LSE_TOL)
+
+
+@gpu_settings(max_examples=10)
+@given(cases(PLAIN[:1]))
+def test_gqa_equals_repeated_kv_heads(case):
+    note(repr(case))
+    batch = build(case)
+    out, lse = run_ours(case, batch)
+    repeated = Case(**{**case.__dict__, "num_kv_heads": case.num_qo_heads, "group": 1})
+    dim = 1 if case.layout == "NHD" else 0
+    rep = Batch(**{**batch.__dict__, "k": batch.k.repeat_interleave(case.group, dim),
+                   "v": batch.v.repeat_interleave(case.group, dim)})
+    rep.cache = tuple(c.repeat_interleave(case.group, 2 if case.layout == "NHD" else 1) for c in batch.cache)
+    out2, lse2 = run_ours(repeated, rep)
+    torch.testing.assert_close(out, out2, atol=0, rtol=0)
+    torch.testing.assert_close(lse, lse2, atol=0, rtol=0)
+
+
+@gpu_settings(max_examples=8)
+@given(cases(PLAIN[:1]), st.integers(0, 2**31 - 1))
+def test_page_table_permutation_leaves_output_unchanged(case, seed):
+    case.paged = True
+    batch = build(case)
+    out, lse = run_ours(case, batch)
+    perm = torch.randperm(batch.cache[0].shape[0], device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))
+    moved = tuple(torch.empty_like(c).index_copy_(0, perm, c) for c in batch.cache)
+    out2, lse2 = run_ours(case, Batch(**{**batch.__dict__, "cache": moved, "page_ids": perm[batch.page_ids.long()].int()}))
+    torch.testing.assert_close(out, out2, atol=0, rtol=0)
+    torch.testing.assert_close(lse, lse2, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_tensor_core_decode_equals_cuda_core_decode(group):
+    gen = torch.Generator(device=DEVICE).manual_seed(group)
+    batch, kv_heads, ps, dim = 33, 4, 16, 128
+    kv_lens = torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(group)).tolist()
+    pages = [math.ceil(n / ps) for n in kv_lens]
+    pool = sum(pages) + 5
+    cache = tuple(torch.randn(pool, ps, kv_heads, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+                  for _ in "kv")
+    page_ids = torch.randperm(pool, device=DEVICE, generator=gen)[: sum(pages)].int()
+    last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+    q = torch.randn(batch, kv_heads * group, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    results = []
+    for tensor_cores in (False, True):
+        wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE),
+                                                               use_tensor_cores=tensor_cores)
+        wrapper.plan(indptr_of(pages), page_ids, last, kv_heads * group, kv_heads, dim, ps, q_data_type=torch.bfloat16)
+        out = torch.full_like(q, math.nan)
+        results.append(wrapper.run(q, cache, out=out, return_lse=True))
+    torch.testing.assert_close(results[0][0].float(), results[1][0].float(), **O_TOL[torch.bfloat16])
+    torch.testing.assert_close(results[0][1], results[1][1], **LSE_TOL)
+
+
+def test_causal_rows_before_their_keys_see_nothing():
+    """qo_len > kv_len with causal: the first rows see no key (o = 0, lse = -inf), as FlashInfer."""
+    case = Case(Module(), qo_lens=[40], kv_lens=[25], causal=True, paged=False, layout="NHD", page_size=1,
+                num_kv_heads=2, group=2)
+    batch = build(case)
+    out, lse = run_ours(case, batch)
+    assert torch.equal(out[:15].float(), torch.zeros_like(out[:15].float()))
+    assert torch.isneginf(lse[:15]).all()
+    assert_matches_reference(case, out, lse, *run_reference(case, batch))
+
+
+def test_single_prefill_matches_reference():
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q = torch.randn(300, 8, 128, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    k, v = (torch.randn(700, 2, 128, dtype=torch.bfloat16, device=DEVICE, generator=gen) for _ in "kv")
+    out, lse = attnforge.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
+    o_ref, lse_ref = reference.single_prefill(q, k, v, causal=True)
+    torch.testing.assert_close(out.float(), o_ref.float(), **O_TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, lse_ref, **LSE_TOL)
