@@ -232,7 +232,8 @@ def _attend(q, k, v, opts: _Options, custom_mask=None):
     qo_len, num_qo_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[0], k.shape[1]
     if num_qo_heads % num_kv_heads != 0:
-        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        raise ValueError(f"q: expected num_qo_heads to be a multiple of num_kv_heads ({num_kv_heads}, k's heads), "
+                         f"got {num_qo_heads}")
     group = num_qo_heads // num_kv_heads
     q_pos = torch.arange(qo_len, device=q.device) + (kv_len - qo_len)
     k_pos = torch.arange(kv_len, device=q.device)
@@ -243,7 +244,7 @@ def _attend(q, k, v, opts: _Options, custom_mask=None):
         qf, kf = _rope(qf, q_pos, opts), _rope(kf, k_pos, opts)
     scale = 1.0 / math.sqrt(head_dim) if opts.sm_scale is None else opts.sm_scale
     # query head h = kv * group + g reads kv head kv = h // group, the GQA convention
-    qg = qf.view(qo_len, num_kv_heads, group, head_dim)
+    qg = qf.reshape(qo_len, num_kv_heads, group, head_dim)
     s = torch.einsum("tkgd,lkd->kgtl", qg, kf).reshape(num_qo_heads, qo_len, kv_len) * scale
     if opts.pos_encoding is PosEncoding.ALIBI:
         slopes = alibi_slopes(num_qo_heads).to(q.device)

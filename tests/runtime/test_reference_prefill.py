@@ -365,6 +365,7 @@ _PAGED = (_QO, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 0], dty
         (lambda: reference.single_prefill(_Q, _K, _V, o_dtype=torch.int32), "o_dtype"),
         (lambda: reference.single_prefill(_Q, _K, _V, custom_mask=torch.ones(3, 3, dtype=torch.bool)), "custom_mask"),
         (lambda: reference.single_prefill(_Q[0], _K, _V), "q"),
+        (lambda: reference.single_prefill(_Q[:, :1], _K.expand(4, 2, 8), _V.expand(4, 2, 8)), "q"),
         (lambda: reference.single_prefill(_Q, _K[..., :4], _V), "k"),
         (lambda: reference.single_prefill(_Q, _K, _V[:2]), "v"),
         (lambda: reference.single_prefill(_Q[..., :7], _K[..., :7], _V, pos_encoding_mode="ROPE_LLAMA"), "q"),
