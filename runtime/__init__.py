@@ -21,6 +21,8 @@ __all__ = [
     "decode_workspace_size",
     "merge_state",
     "merge_states",
+    "packbits",
+    "segment_packbits",
     "UnsupportedSpecError",
 ]
 
@@ -38,6 +40,8 @@ _LAZY = {
     "decode_workspace_size": ("attnforge.decode", "decode_workspace_size"),
     "merge_state": ("attnforge.merge", "merge_state"),
     "merge_states": ("attnforge.merge", "merge_states"),
+    "packbits": ("attnforge.mask", "packbits"),
+    "segment_packbits": ("attnforge.mask", "segment_packbits"),
     "UnsupportedSpecError": ("attnforge.codegen.rules", "UnsupportedSpecError"),
 }
 

@@ -67,3 +67,19 @@ def scale(value, name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}: expected a positive float or None, got {value!r}")
     return float(value)
+
+
+def indptr(x, name: str, *, entries: int | None = None, end: int | None = None) -> list[int]:
+    """A 1-D integer index pointer as a host list: starts at 0, never decreases, has `entries`
+    entries and ends at `end` when those are given. Reading it waits for the GPU if x is there."""
+    tensor(x, name)
+    if x.dim() != 1 or x.numel() == 0 or x.is_floating_point() or x.dtype == torch.bool:
+        raise ValueError(f"{name}: expected a non-empty 1-D integer tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    if entries is not None and x.numel() != entries:
+        raise ValueError(f"{name}: expected {entries} entries (batch_size + 1), got {x.numel()}")
+    bounds = x.tolist()
+    if bounds[0] != 0 or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name}: expected a non-decreasing index pointer starting at 0, got {bounds}")
+    if end is not None and bounds[-1] != end:
+        raise ValueError(f"{name}: expected the last entry to be {end}, got {bounds[-1]}")
+    return bounds
