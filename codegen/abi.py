@@ -120,18 +120,56 @@ DECODE_PLAN_INFO = _struct(
     ("max_chunks", "int32_t", "largest number of chunks of one request"),
 )
 
+# The batch-prefill plan image's arrays (prefill contract, "Device-side plan image"); the prefill
+# params struct carries the same offsets.
 PREFILL_PLAN_OFFSETS = (
-    ("off_qo_indptr", "int32_t", "plan image offset of qo_indptr[batch+1] (query tokens)"),
-    ("off_kv_indptr", "int32_t", "plan image offset of kv_indptr[batch+1] (pages when paged, tokens when ragged)"),
+    ("off_qo_indptr", "int32_t", "plan image offset of qo_indptr[batch+1] (query token indptr)"),
+    ("off_kv_indptr", "int32_t", "plan image offset of kv_indptr[batch+1] (paged: pages; ragged: tokens)"),
     ("off_kv_len", "int32_t", "plan image offset of kv_len[batch] (tokens)"),
-    ("off_num_chunks", "int32_t", "plan image offset of num_chunks[batch]: kv chunks each request is cut into"),
+    ("off_num_chunks", "int32_t", "plan image offset of num_chunks[batch] (kv chunks per request, 1: unsplit)"),
     ("off_work_request", "int32_t", "plan image offset of the work items' request ids"),
-    ("off_work_qo_tile", "int32_t", "plan image offset of the work items' q tile (packed rows) in their request"),
+    ("off_work_qo_tile", "int32_t", "plan image offset of the work items' q tile (in packed rows / cta_tile_q)"),
     ("off_work_kv_begin", "int32_t", "plan image offset of the work items' first kv token"),
     ("off_work_kv_end", "int32_t", "plan image offset of the work items' end kv token"),
-    ("off_work_partial", "int32_t", "plan image offset of the work items' partial slot base (-1: write o)"),
-    ("off_merge_indptr", "int32_t", "plan image offset of merge_indptr[rows+1]: each q row's partial slots"),
-    ("off_mask_indptr", "int32_t", "plan image offset of mask_indptr[batch+1] (bytes of the packed custom mask)"),
+    ("off_work_partial", "int32_t", "plan image offset of the work items' first partial slot (-1: write o)"),
+    ("off_merge_indptr", "int32_t", "plan image offset of merge_indptr[row_capacity+1] (partial slots per q row)"),
+)
+
+PREFILL_PLAN_ARGS = _struct(
+    "PrefillPlanArgs",
+    "Host inputs of the batch-prefill planner; it writes the plan image in place.",
+    ("qo_indptr", "const void*", "host int32 [batch+1] query token indptr, starting at 0"),
+    ("kv_indptr", "const void*", "host int32 [batch+1] page indptr (paged) or kv token indptr (ragged)"),
+    ("last_page_len", "const void*", "host int32 [batch] tokens in each request's last page (paged only, else null)"),
+    ("image", "void*", "host int32 plan image to fill (pinned)"),
+    ("batch_size", "int32_t", "requests"),
+    ("paged", "int32_t", "1: kv_indptr counts pages of page_size tokens; 0: it counts tokens"),
+    ("page_size", "int32_t", "tokens per page (paged only)"),
+    ("num_indices", "int32_t", "paged: entries in the page-id array; ragged: tokens in k and v"),
+    ("num_kv_heads", "int32_t", "kv heads: CTAs one work item launches"),
+    ("group_size", "int32_t", "num_qo_heads / num_kv_heads, folded into the q tile rows"),
+    ("head_dim_qk", "int32_t", "q/k head dim (cta_tile_q 128 needs < 256)"),
+    ("max_ctas", "int32_t", "CTAs the GPU holds at once (SMs x occupancy)"),
+    ("causal", "int32_t", "1: key j visible only up to the query's position"),
+    ("window_left", "int32_t", "sliding window (-1: none)"),
+    ("fixed_split_tokens", "int32_t", "> 0: chunk every request's kv range into this many tokens"),
+    ("disable_split_kv", "int32_t", "1: one kv chunk per request"),
+    ("min_chunk_tokens", "int32_t", "smallest chunk split-KV may cut"),
+    ("cuda_graph", "int32_t", "1: pick cta_tile_q from the static row_capacity, not from this batch"),
+    ("work_capacity", "int32_t", "room for work items in the image"),
+    ("row_capacity", "int32_t", "room for query rows in merge_indptr (static under CUDA graphs)"),
+    *PREFILL_PLAN_OFFSETS,
+)
+
+PREFILL_PLAN_INFO = _struct(
+    "PrefillPlanInfo",
+    "What the batch-prefill planner decided.",
+    ("num_work", "int32_t", "work items written"),
+    ("num_partials", "int32_t", "fp32 partial slots the split requests need"),
+    ("cta_tile_q", "int32_t", "packed q rows per CTA: 16, 64 or 128 (the kernel variant to run)"),
+    ("chunk_tokens", "int32_t", "kv tokens per chunk"),
+    ("max_chunks", "int32_t", "largest number of chunks of one request"),
+    ("causal_rows_without_keys", "int32_t", "causal only: query rows before their request's kv (o = 0, lse = -inf)"),
 )
 
 PREFILL_PARAMS = _struct(
@@ -170,6 +208,7 @@ PREFILL_PARAMS = _struct(
     ("cta_tile_q", "int32_t", "packed query rows per CTA: the compiled variant that runs (16, 64 or 128)"),
     ("paged", "int32_t", "1: paged KV (indices); 0: ragged KV"),
     *PREFILL_PLAN_OFFSETS,
+    ("off_mask_indptr", "int32_t", "plan image offset of mask_indptr[batch+1] (bytes of the packed custom mask)"),
     ("run_merge", "int32_t", "1 when some request is split and the merge kernel must run"),
     ("device", "int32_t", "CUDA device that holds the tensors"),
     ("debug_sync", "int32_t", "1: synchronize and check after every kernel"),
@@ -180,6 +219,7 @@ PREFILL_PARAMS = _struct(
 )
 
 DECODE_STRUCTS = (DECODE_PARAMS, DECODE_PLAN_ARGS, DECODE_PLAN_INFO)
+PREFILL_STRUCTS = (PREFILL_PARAMS, PREFILL_PLAN_ARGS, PREFILL_PLAN_INFO)
 
 
 # Error bits a kernel may raise in the plan image's "error" slot.

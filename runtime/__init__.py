@@ -17,7 +17,10 @@ import os
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
     "single_decode_with_kv_cache",
+    "single_prefill_with_kv_cache",
     "decode_workspace_size",
     "merge_state",
     "merge_states",
@@ -37,6 +40,9 @@ if not _log.handlers:
 _LAZY = {
     "BatchDecodeWithPagedKVCacheWrapper": ("attnforge.decode", "BatchDecodeWithPagedKVCacheWrapper"),
     "single_decode_with_kv_cache": ("attnforge.decode", "single_decode_with_kv_cache"),
+    "BatchPrefillWithPagedKVCacheWrapper": ("attnforge.prefill", "BatchPrefillWithPagedKVCacheWrapper"),
+    "BatchPrefillWithRaggedKVCacheWrapper": ("attnforge.prefill", "BatchPrefillWithRaggedKVCacheWrapper"),
+    "single_prefill_with_kv_cache": ("attnforge.prefill", "single_prefill_with_kv_cache"),
     "decode_workspace_size": ("attnforge.decode", "decode_workspace_size"),
     "merge_state": ("attnforge.merge", "merge_state"),
     "merge_states": ("attnforge.merge", "merge_states"),

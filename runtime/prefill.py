@@ -24,7 +24,14 @@ from . import checks, dispatch, kv_cache
 from .loader import Module, load
 from .mask import segment_packbits
 from .plan_buffers import PlanImage, current_stream, float_workspace, lse_output, num_sms, output
-from .prefill_planner import MIN_CHUNK_TOKENS, PrefillPlanLayout, cta_tile_q, prefill_work_capacity
+from .planner import MIN_CHUNK_TOKENS
+from .prefill_planner import (
+    PrefillPlanLayout,
+    cta_tile_q,
+    packed_len_estimate,
+    prefill_partial_capacity,
+    prefill_work_capacity,
+)
 from .settings import settings
 
 LOG2_E = math.log2(math.e)
@@ -156,9 +163,6 @@ class _BatchPrefillWrapper:
             last_page_len = checks.host_int32(last_page_len, "paged_kv_last_page_len", batch_size)
         group = num_qo_heads // num_kv_heads
         total_q = int(qo_indptr[-1])
-        tile = cta_tile_q(group * total_q / batch_size if not self._graph else group * (total_q - batch_size + 1),
-                          head_dim_qk)
-        max_ctas = _max_ctas(module, tile, self._paged, device_index)
         if self._graph:
             if self._graph_shape is None:
                 self._graph_shape = (batch_size, total_q)
@@ -166,50 +170,60 @@ class _BatchPrefillWrapper:
                 raise ValueError(f"qo_indptr: this CUDA-graph wrapper was planned for batch_size={self._graph_shape[0]} "
                                  f"and at most {self._graph_shape[1]} query tokens, got {batch_size} and {total_q}")
         rows = self._graph_shape[1] if self._graph else total_q
-        capacity = prefill_work_capacity(batch_size, rows, group, tile, max_ctas, num_kv_heads)
+        tile = cta_tile_q(packed_len_estimate(rows, batch_size, group, self._graph), head_dim_qk)
+        max_ctas = _max_ctas(module, tile, self._paged, device_index)
+        kv_page = page_size if self._paged else 1
+        fixed_tokens = _split_tokens(fixed_split_size, kv_page)
+        capacity = prefill_work_capacity(rows, batch_size, group, tile, max_ctas, num_kv_heads)
+        if fixed_tokens and not self._graph:  # every q tile may be cut into that many chunks
+            capacity = max(capacity, capacity * -(-int(kv_indptr[-1]) * kv_page // fixed_tokens))
         layout = PrefillPlanLayout(batch_size, capacity, rows)
         offsets = layout.offsets()
-        image = self._image.host_buffer(layout.size)
+        # The custom mask's per-request byte offsets follow the planner's arrays.
+        offsets["off_mask_indptr"] = layout.size
+        image_size = layout.size + (batch_size + 1 if use_custom_mask else 0)
+        image = self._image.host_buffer(image_size)
 
         binding = module.binding
         args = binding.PrefillPlanArgs(
             qo_indptr=qo_indptr.data_ptr(), kv_indptr=kv_indptr.data_ptr(),
             last_page_len=last_page_len.data_ptr() if self._paged else None, image=image.data_ptr(),
-            batch_size=batch_size, page_size=page_size if self._paged else 1,
-            num_indices=indices.numel() if self._paged else 0, paged=int(self._paged), group_size=group,
-            num_kv_heads=num_kv_heads, cta_tile_q=tile, causal=int(bool(causal)), window_left=window_left,
-            max_ctas=max_ctas, fixed_split_tokens=_split_tokens(fixed_split_size, page_size if self._paged else 1),
-            disable_split_kv=int(bool(disable_split_kv)), min_chunk_tokens=MIN_CHUNK_TOKENS,
-            work_capacity=capacity, row_capacity=rows, **offsets)
+            batch_size=batch_size, paged=int(self._paged), page_size=kv_page,
+            num_indices=indices.numel() if self._paged else int(kv_indptr[-1]), num_kv_heads=num_kv_heads,
+            group_size=group, head_dim_qk=head_dim_qk, max_ctas=max_ctas, causal=int(bool(causal)),
+            window_left=window_left, fixed_split_tokens=fixed_tokens, disable_split_kv=int(bool(disable_split_kv)),
+            min_chunk_tokens=MIN_CHUNK_TOKENS, cuda_graph=int(self._graph), work_capacity=capacity,
+            row_capacity=rows, **{name: value for name, value in offsets.items() if name != "off_mask_indptr"})
         info = binding.PrefillPlanInfo()
         status = module.fns["prefill_plan"](ctypes.byref(args), ctypes.byref(info))
         if status != 0:
             raise ValueError(f"plan(): {module.last_error()}")
+        assert info.cta_tile_q == tile, "the planner and the wrapper must pick the same q tile"
 
         mask = None
         if use_custom_mask:
             mask = self._stage_mask(custom_mask, packed_custom_mask, qo_indptr, image, offsets["off_kv_len"],
                                     offsets["off_mask_indptr"], batch_size)
             keep_alive.append(mask)
-        slots = capacity * tile if self._graph else info.num_partials
+        slots = prefill_partial_capacity(capacity, tile, group) if self._graph else info.num_partials
         v_bytes = -(-slots * num_qo_heads * head_dim_vo * 4 // 256) * 256
         s_bytes = slots * num_qo_heads * 4
         available = self._workspace.numel() * self._workspace.element_size()
         if v_bytes + s_bytes > available:
             raise ValueError(f"float_workspace_buffer: this plan needs {v_bytes + s_bytes} bytes for split-KV partials, "
                              f"the buffer has {available}; allocate at least that many (128 MiB covers typical batches)")
-        self._image.upload(layout.size)
+        self._image.upload(image_size)
 
         workspace_ptr = self._workspace.data_ptr()
         params = binding.PrefillParams(
             indices=indices.data_ptr() if self._paged else None, custom_mask=mask.data_ptr() if mask is not None else None,
             plan=self._image.on_device.data_ptr(), tmp_v=workspace_ptr, tmp_s=workspace_ptr + v_bytes,
             batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group_size=group,
-            page_size=page_size if self._paged else 1, work_capacity=capacity if self._graph else info.num_work,
+            page_size=kv_page, work_capacity=capacity if self._graph else info.num_work,
             row_capacity=rows, causal=int(bool(causal)), window_left=window_left, cta_tile_q=tile,
             paged=int(self._paged), run_merge=int(self._graph or info.num_partials > 0), device=device_index,
             debug_sync=int(self._debug), rope_rcp_scale=1.0 / rope_scale, rope_rcp_theta=1.0 / rope_theta,
-            **{name: value for name, value in offsets.items() if hasattr(binding.PrefillParams, name)})
+            **offsets)
         self._plan = _Plan(
             module=module, params=params, total_q=total_q, total_kv=int(kv_indptr[-1]), num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size,
