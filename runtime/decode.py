@@ -121,9 +121,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              f"{'a non-contiguous' if float_workspace_buffer.is_cuda else 'a ' + str(float_workspace_buffer.device)} tensor")
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
-        if use_tensor_cores:
-            raise ValueError("use_tensor_cores=True runs decode on the prefill kernels, which this version does not "
-                             "have yet; use use_tensor_cores=False (the CUDA-core decode kernel)")
         if jit_args is not None:
             raise ValueError("jit_args: custom attention variants are not supported; leave jit_args=None")
         self._backend = dispatch.parse_backend(backend)
@@ -148,10 +145,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._upload_done: torch.cuda.Event | None = None
         self._plan: _Plan | None = None
         self._debug = settings().debug  # ATTNFORGE_DEBUG, read once per wrapper
+        # use_tensor_cores: decode runs on the prefill kernels, one query row per request with the
+        # GQA group packed into the tile's rows (FlashInfer's tensor-core decode).
+        self._tensor_cores = None
+        if use_tensor_cores:
+            from .prefill import BatchPrefillWithPagedKVCacheWrapper
+
+            self._tensor_cores = BatchPrefillWithPagedKVCacheWrapper(
+                float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indices_buf=paged_kv_indices_buffer,
+                backend=backend)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
         return self._graph
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._tensor_cores is not None
 
     # ------------------------------------------------------------------ plan
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
@@ -167,6 +177,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         split that needs more work items is refused with the count it needs."""
         if block_tables is not None or seq_lens is not None:
             raise ValueError("block_tables/seq_lens: pass the page table as indptr, indices and last_page_len")
+        if self._tensor_cores is not None:
+            batch_size = checks.host_int32(indptr, "indptr").numel() - 1
+            if data_type is not None:
+                q_data_type = kv_data_type = data_type if kv_data_type is None else kv_data_type
+            self._tensor_cores.plan(
+                torch.arange(batch_size + 1, dtype=torch.int32), indptr, indices, last_page_len, num_qo_heads,
+                num_kv_heads, head_dim, page_size, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+                q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+                fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+            return
         indptr = checks.host_int32(indptr, "indptr")
         batch_size = indptr.numel() - 1
         if batch_size < 1:
@@ -312,6 +333,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             enable_pdl: bool | None = None, window_left: int | None = None, sinks=None):
         """Attention of q [batch, num_qo_heads, head_dim] over the planned pages of paged_kv_cache.
         Returns o (planned o dtype), or (o, lse) with lse [batch, num_qo_heads] fp32 base 2."""
+        if self._tensor_cores is not None:
+            return self._tensor_cores.run(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                          out=out, lse=lse, return_lse=return_lse, enable_pdl=enable_pdl,
+                                          window_left=window_left, sinks=sinks)
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan(): call plan() with the batch's page table first")
