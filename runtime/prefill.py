@@ -369,9 +369,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         if plan.host_max_page is not None and plan.host_max_page >= num_pages:
             raise ValueError(f"paged_kv_indices: page id {plan.host_max_page} is out of range for a cache of "
                              f"{num_pages} pages")
-        return self._launch(q, k_cache, v_cache, kv_cache.paged_strides(k_cache, self._kv_layout),
-                            kv_cache.paged_strides(v_cache, self._kv_layout), num_pages, args, q_scale, k_scale,
-                            v_scale, out, lse, return_lse)
+        strides = kv_cache.paged_strides(k_cache, self._kv_layout)
+        if kv_cache.paged_strides(v_cache, self._kv_layout) != strides:
+            # The kernel resolves each page id once per tile into one row offset for K and V.
+            raise ValueError(f"paged_kv_cache: k and v caches must have equal (page, token, head) strides, got "
+                             f"{strides} and {kv_cache.paged_strides(v_cache, self._kv_layout)}; with head_dim_vo < "
+                             "head_dim_qk store V in pages of K's shape and pass v_cache[..., :head_dim_vo]")
+        return self._launch(q, k_cache, v_cache, strides, strides, num_pages, args, q_scale, k_scale, v_scale, out,
+                            lse, return_lse)
 
     forward = run
 

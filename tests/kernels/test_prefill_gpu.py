@@ -122,14 +122,15 @@ def build(case: Case) -> Batch:
     page_ids = torch.randperm(pool, device=DEVICE, generator=gen)[: sum(pages)].to(torch.int32)
     caches = []
     for dense, dim in ((k_nhd, m.head_dim_qk), (v_nhd, m.head_dim_vo)):
-        paged = torch.randn(pool, ps, case.num_kv_heads, dim, dtype=m.dtype, device=DEVICE, generator=gen)
+        # V pages share K's shape (and so its strides) and are viewed down to head_dim_vo
+        paged = torch.randn(pool, ps, case.num_kv_heads, m.head_dim_qk, dtype=m.dtype, device=DEVICE, generator=gen)
         start, page = 0, 0
         for n, p in zip(case.kv_lens, pages):
             for j in range(p):
                 rows = dense[start + j * ps: start + min(n, (j + 1) * ps)]
-                paged[int(page_ids[page + j]), : rows.shape[0]] = rows
+                paged[int(page_ids[page + j]), : rows.shape[0], :, :dim] = rows
             start, page = start + n, page + p
-        caches.append(paged if case.layout == "NHD" else paged.transpose(1, 2).contiguous())
+        caches.append((paged if case.layout == "NHD" else paged.transpose(1, 2).contiguous())[..., :dim])
     k, v = (k_nhd, v_nhd) if case.layout == "NHD" else (k_nhd.transpose(0, 1).contiguous(),
                                                          v_nhd.transpose(0, 1).contiguous())
     mask = None

@@ -81,6 +81,7 @@ struct PrefillTraits {
     alignas(16) DTypeQ q[kCtaTileQ * kHeadDimQK];
     alignas(16) DTypeKV k[kTileKV * kHeadDimQK];
     alignas(16) DTypeKV v[kTileKV * kHeadDimVO];
+    int64_t kv_offsets[2][kTileKV];  // global row offsets of the current and the next KV tile
   };
   // Per-warp states of the column-split variant, written once the last V tile is consumed.
   struct WarpStates {
@@ -94,6 +95,7 @@ struct PrefillTraits {
     std::conditional_t<(kWarpsKV > 1), WarpStates, NoWarpStates> states;
   };
   static_assert(sizeof(SharedStorage) * kMinCtasPerSm <= 227 * 1024, "prefill smem: two CTAs must fit one SM");
+  static_assert(kTileKV <= kThreads, "prefill kv tile: one thread per row fills the offset table");
 };
 
 // Rows of this CTA as the kernel sees them: one request, packed rows [row_begin, row_begin + rows).
@@ -140,40 +142,55 @@ __device__ __forceinline__ float alibi_slope(int head, int num_heads) {
   return head < n ? exp2f(-8.f * float(head + 1) / float(n)) : exp2f(-4.f * float(2 * (head - n) + 1) / float(n));
 }
 
-// Global element offset of kv token `token` of the request (in its own token numbering) for this kv
-// head; a bad page id reads page 0 and raises `bad_page`.
+// Global element offset (past the head) of paged kv token `token` of the request; a bad page id
+// reads page 0 and raises `bad_page`.
 template <typename T>
-__device__ __forceinline__ int64_t kv_row_offset(const typename T::Params& p, const int32_t* page_ids, int kv_token_base,
-                                                 const common::FastDivmod& page_size, int token, bool& bad_page) {
-  if constexpr (T::kPagedKV) {
-    int page_index, in_page;
-    page_size.divmod(token, page_index, in_page);
-    const int page = __ldg(page_ids + page_index);
-    const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
-    bad_page |= !ok;
-    return (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
-  } else {
-    return int64_t(kv_token_base + token) * p.kv_stride_token;
+__device__ __forceinline__ int64_t page_row_offset(const typename T::Params& p, const int32_t* page_ids,
+                                                   const common::FastDivmod& page_size, int token, bool& bad_page) {
+  int page_index, in_page;
+  page_size.divmod(token, page_index, in_page);
+  const int page = __ldg(page_ids + page_index);
+  const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
+  bad_page |= !ok;
+  return (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
+}
+
+// Paged KV: one thread per row fills the tile's table of global row offsets (-1 past `end`) in
+// shared memory, so each page id is read once per tile, not once per 16-byte copy of K and again of V.
+template <typename T>
+__device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T::Params& p, const int32_t* page_ids,
+                                                const common::FastDivmod& page_size, int first, int end,
+                                                bool& bad_page) {
+  const int row = threadIdx.x;
+  if (row < T::kTileKV) {
+    const int token = first + row;
+    table[row] = token < end ? page_row_offset<T>(p, page_ids, page_size, token, bad_page) : -1;
   }
 }
 
-// Issue the cp.async copies of one K or V tile (kTileKV rows of kCells cells) starting at request
-// token `first`; rows at or past `end` are zero-filled so P.V never meets garbage.
+// Issue the cp.async copies of one K or V tile (kTileKV rows of kCells cells, request tokens
+// [first, first + kTileKV)); rows at or past `end` are zero-filled so P.V never meets garbage.
+// Row offsets come from the paged table (K and V pages share their strides), or straight from the
+// token for ragged KV, where K and V each have their own token stride.
 template <typename T, int kCells>
 __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typename T::DTypeKV* head_base,
-                                             const typename T::Params& p, const int32_t* page_ids, int kv_token_base,
-                                             const common::FastDivmod& page_size, int first, int end, bool& bad_page) {
+                                             int64_t token_stride, const int64_t* table, int kv_token_base,
+                                             int first, int end) {
   constexpr int kCopies = T::kTileKV * kCells / T::kThreads;
   static_assert(T::kTileKV * kCells % T::kThreads == 0, "prefill kv tile: every thread issues the same copies");
-  // Partly unrolled: page-id loads overlap without holding every copy's 64-bit offset at once.
+  // Partly unrolled: fully, ptxas hoists every copy's 64-bit offset and the 128-row tiles spill.
 #pragma unroll 4
   for (int i = 0; i < kCopies; ++i) {
     const int idx = threadIdx.x + i * T::kThreads;
     const int row = idx / kCells, cell = idx % kCells;
-    const int token = first + row;
-    const bool valid = token < end;
-    const int64_t off = valid ? kv_row_offset<T>(p, page_ids, kv_token_base, page_size, token, bad_page) : 0;
-    common::cp_async_16(dst + common::Swizzle128<kCells>::cell(row, cell) * 8, head_base + off + cell * 8, valid);
+    int64_t off;
+    if constexpr (T::kPagedKV) {
+      off = table[row];
+    } else {
+      off = first + row < end ? int64_t(kv_token_base + first + row) * token_stride : -1;
+    }
+    common::cp_async_16(dst + common::Swizzle128<kCells>::cell(row, cell) * 8, head_base + max(off, int64_t(0)) + cell * 8,
+                        off >= 0);
   }
 }
 
@@ -555,22 +572,31 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   common::cp_async_commit();
 
   const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
-  const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.kv_stride_head;
+  const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.v_stride_head;
   const int32_t* page_ids = static_cast<const int32_t*>(p.indices) + (T::kPagedKV ? plan[p.off_kv_indptr + rows.request] : 0);
   const int kv_token_base = T::kPagedKV ? 0 : plan[p.off_kv_indptr + rows.request];
   const common::FastDivmod page_size(T::kPagedKV ? p.page_size : 1);
   bool bad_page = false;
-  auto load_k = [&](int first) {
-    load_kv_tile<T, T::kCellsQK>(smem.tiles.k, k_head, p, page_ids, kv_token_base, page_size, first, end, bad_page);
+  auto fill_offsets = [&](int tile) {
+    if constexpr (T::kPagedKV) {
+      fill_kv_offsets<T>(smem.tiles.kv_offsets[tile % 2], p, page_ids, page_size, begin + tile * T::kTileKV, end, bad_page);
+    }
   };
-  auto load_v = [&](int first) {
-    load_kv_tile<T, T::kCellsVO>(smem.tiles.v, v_head, p, page_ids, kv_token_base, page_size, first, end, bad_page);
+  auto load_k = [&](int tile) {
+    load_kv_tile<T, T::kCellsQK>(smem.tiles.k, k_head, p.kv_stride_token, smem.tiles.kv_offsets[tile % 2], kv_token_base,
+                                 begin + tile * T::kTileKV, end);
+  };
+  auto load_v = [&](int tile) {
+    load_kv_tile<T, T::kCellsVO>(smem.tiles.v, v_head, p.v_stride_token, smem.tiles.kv_offsets[tile % 2], kv_token_base,
+                                 begin + tile * T::kTileKV, end);
   };
 
   const int num_tiles = end > begin ? (end - begin + T::kTileKV - 1) / T::kTileKV : 0;
-  if (num_tiles > 0) load_k(begin);
+  fill_offsets(0);
+  if constexpr (T::kPagedKV) __syncthreads();
+  if (num_tiles > 0) load_k(0);
   common::cp_async_commit();
-  if (num_tiles > 0) load_v(begin);
+  if (num_tiles > 0) load_v(0);
   common::cp_async_commit();
 
   // Tiles from here on need no causal / window mask: every row sees every column.
@@ -588,8 +614,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     }
     float s[T::kMmaQ][T::kMmaKV][8];
     compute_scores<T>(smem.tiles.q, smem.tiles.k, warp_q, warp_kv, s);
-    __syncthreads();  // K is consumed: refill it while softmax and P.V run
-    if (tile + 1 < num_tiles) load_k(first + T::kTileKV);
+    // Table (tile + 1) % 2 was last read by the loads of tile - 1, issued before this iteration began.
+    if (tile + 1 < num_tiles) fill_offsets(tile + 1);
+    __syncthreads();  // K is consumed (refill it while softmax and P.V run); the next table is written
+    if (tile + 1 < num_tiles) load_k(tile + 1);
     common::cp_async_commit();
 
     const int last_col = first + T::kTileKV - 1;
@@ -602,7 +630,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     __syncthreads();
     accumulate_pv<T>(smem.tiles.v, warp_kv, s, st);
     __syncthreads();  // V is consumed
-    if (tile + 1 < num_tiles) load_v(first + T::kTileKV);
+    if (tile + 1 < num_tiles) load_v(tile + 1);
     common::cp_async_commit();
   }
   common::cp_async_wait<0>();
