@@ -222,8 +222,10 @@ def test_gqa_equals_repeated_kv_heads(case):
                    "v": batch.v.repeat_interleave(case.group, dim)})
     rep.cache = tuple(c.repeat_interleave(case.group, 2 if case.layout == "NHD" else 1) for c in batch.cache)
     out2, lse2 = run_ours(repeated, rep)
-    torch.testing.assert_close(out, out2, atol=0, rtol=0)
-    torch.testing.assert_close(lse, lse2, atol=0, rtol=0)
+    # The group changes the packed rows, hence the q tile and the kv chunking: same maths, other
+    # summation order, so equal up to the output rounding.
+    torch.testing.assert_close(out.float(), out2.float(), **O_TOL[case.module.dtype])
+    torch.testing.assert_close(lse, lse2, **LSE_TOL)
 
 
 @gpu_settings(max_examples=8)
