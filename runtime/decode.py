@@ -62,6 +62,35 @@ def _decode_module(backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType
 
 
 @functools.cache
+def _layout(batch_size: int, capacity: int) -> tuple[dict[str, int], int]:
+    """(offsets, size) of the plan image; cached, a serving engine replans the same shapes every step."""
+    layout = PlanLayout(batch_size, capacity)
+    return layout.offsets(), layout.size
+
+
+# Serving engines replan every step with a handful of batch sizes: a few hundred shapes cover them.
+@functools.lru_cache(maxsize=256)
+def _struct_templates(module: Module, batch_size: int, num_qo_heads: int, num_kv_heads: int, page_size: int,
+                      window_left: int, fixed_tokens: int, disable_split_kv: bool, capacity: int, max_ctas: int,
+                      device_index: int, debug: bool) -> tuple[ctypes.Structure, ctypes.Structure]:
+    """(DecodePlanArgs, DecodeParams) holding every field that depends only on the plan's shapes;
+    plan() copies them and stores the per-call pointers and counts (a ctypes constructor with ~20
+    keywords costs several µs, a copy and a few stores well under one)."""
+    offsets, _ = _layout(batch_size, capacity)
+    heads, tiles = heads_per_cta(num_qo_heads // num_kv_heads)
+    binding = module.binding
+    args = binding.DecodePlanArgs(
+        batch_size=batch_size, page_size=page_size, ctas_per_request=num_kv_heads * tiles, max_ctas=max_ctas,
+        window_left=window_left, fixed_split_tokens=fixed_tokens, disable_split_kv=int(disable_split_kv),
+        min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity, **offsets)
+    params = binding.DecodeParams(
+        batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        group_size=num_qo_heads // num_kv_heads, heads_per_cta=heads, num_head_tiles=tiles, page_size=page_size,
+        device=device_index, debug_sync=int(debug), **offsets)
+    return args, params
+
+
+@functools.cache
 def _max_ctas(module: Module, heads: int, device_index: int) -> int:
     ctas_per_sm = ctypes.c_int32()
     module.check(module.fns["decode_occupancy"](heads, device_index, ctypes.byref(ctas_per_sm)), "decode occupancy query")
@@ -143,6 +172,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._int_workspace = torch.empty(0, dtype=torch.int32, device=self._device)
         self._host_image = torch.empty(0, dtype=torch.int32)
         self._upload_done: torch.cuda.Event | None = None
+        self._views: tuple[int, torch.Tensor, torch.Tensor] | None = None  # see _image_views
         self._plan: _Plan | None = None
         self._debug = settings().debug  # ATTNFORGE_DEBUG, read once per wrapper
         # use_tensor_cores: decode runs on the prefill kernels, one query row per request with the
@@ -223,32 +253,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
         dtype_q = dispatch.to_dtype(q_data_type, "q_data_type")
         dtype_kv = dispatch.to_dtype(kv_data_type, "kv_data_type", allow_none=True) or dtype_q
         dtype_o = dispatch.to_dtype(o_data_type, "o_data_type", allow_none=True) or dtype_q.default_output
+        device_index = self._device_index()
         module = _decode_module(self._backend, dtype_q, dtype_kv, dtype_o, head_dim,
                                 dispatch.parse_pos_encoding(pos_encoding_mode), window_left >= 0, soft_cap > 0,
-                                self._device_index())
+                                device_index)
 
-        indices, host_max_page = self._stage_indices(indices, int(indptr[-1]))
+        indices, host_max_page = self._stage_indices(indices, indptr)
         group = num_qo_heads // num_kv_heads
         heads, tiles = heads_per_cta(group)
         ctas_per_request = num_kv_heads * tiles
-        max_ctas = _max_ctas(module, heads, self._device_index())
+        max_ctas = _max_ctas(module, heads, device_index)
         fixed_tokens = fixed_split_size * page_size if fixed_split_size and fixed_split_size > 0 else 0
         capacity = work_capacity(batch_size, max_ctas, ctas_per_request)
         if fixed_tokens and not self._graph:
             capacity = max(capacity, batch_size + -(-int(indptr[-1]) * page_size // fixed_tokens))
         if self._graph:
             self._graph_batch_size = batch_size
-        layout = PlanLayout(batch_size, capacity)
-        offsets = layout.offsets()
-        image, device_image = self._image_buffers(layout.size)
+        offsets, image_size = _layout(batch_size, capacity)
+        image, device_image = self._image_buffers(image_size)
 
         binding = module.binding
-        args = binding.DecodePlanArgs(
-            indptr=indptr.data_ptr(), last_page_len=last_page_len.data_ptr(), image=image.data_ptr(),
-            batch_size=batch_size, page_size=page_size, num_indices=indices.numel(),
-            ctas_per_request=ctas_per_request, max_ctas=max_ctas, window_left=window_left,
-            fixed_split_tokens=fixed_tokens, disable_split_kv=int(bool(disable_split_kv)),
-            min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity, **offsets)
+        args_template, params_template = _struct_templates(
+            module, batch_size, num_qo_heads, num_kv_heads, page_size, window_left, fixed_tokens,
+            bool(disable_split_kv), capacity, max_ctas, device_index, self._debug)
+        args = binding.DecodePlanArgs.from_buffer_copy(args_template)
+        args.indptr, args.last_page_len, args.image = indptr.data_ptr(), last_page_len.data_ptr(), image.data_ptr()
+        args.num_indices = indices.numel()
         info = binding.DecodePlanInfo()
         status = module.fns["decode_plan"](ctypes.byref(args), ctypes.byref(info))
         if status != 0:
@@ -262,17 +292,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 f"float_workspace_buffer: this plan needs {v_bytes + s_bytes} bytes for split-KV partials, the buffer "
                 f"has {available}; allocate at least attnforge.decode_workspace_size({batch_size}, {num_qo_heads}, "
                 f"{num_kv_heads}, {head_dim}) bytes")
-        device_image[: layout.size].copy_(image[: layout.size], non_blocking=True)
+        image_view, device_image_view = self._image_views(image_size)
+        device_image_view.copy_(image_view, non_blocking=True)
         self._upload_done.record()
 
         workspace_ptr = self._workspace.data_ptr()
-        params = binding.DecodeParams(
-            indices=indices.data_ptr(), plan=device_image.data_ptr(), tmp_v=workspace_ptr,
-            tmp_s=workspace_ptr + v_bytes, batch_size=batch_size, num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, group_size=group, heads_per_cta=heads, num_head_tiles=tiles,
-            page_size=page_size, work_capacity=capacity if self._graph else info.num_work,
-            run_merge=int(self._graph or info.num_partials > 0), device=self._device_index(),
-            debug_sync=int(self._debug), **offsets)
+        params = binding.DecodeParams.from_buffer_copy(params_template)
+        params.indices, params.plan = indices.data_ptr(), device_image.data_ptr()
+        params.tmp_v, params.tmp_s = workspace_ptr, workspace_ptr + v_bytes
+        params.work_capacity = capacity if self._graph else info.num_work
+        params.run_merge = int(self._graph or info.num_partials > 0)
         self._plan = _Plan(
             module=module, params=params, batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, dtype_q=dispatch.torch_dtype(dtype_q),
@@ -283,14 +312,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _device_index(self) -> int:
         return self._device.index if self._device.index is not None else torch.cuda.current_device()
 
-    def _stage_indices(self, indices: torch.Tensor, used: int) -> tuple[torch.Tensor, int | None]:
+    def _stage_indices(self, indices: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         """Page ids on the device (the graph buffer under CUDA graphs); the largest id when the
-        caller gave them on the host, where checking costs nothing."""
+        caller gave them on the host, where checking costs one pass over them."""
         host_max = None
         if not indices.is_cuda:
-            host_max = int(indices[:used].max()) if used > 0 else -1
-            if used > 0 and int(indices[:used].min()) < 0:
-                raise ValueError("indices: page ids must be >= 0, got a negative id")
+            used_ids = indices[: int(indptr[-1])]
+            host_max = -1
+            if used_ids.numel() > 0:  # an indptr past the ids is the planner's error to report
+                low, high = torch.aminmax(used_ids)
+                if int(low) < 0:
+                    raise ValueError("indices: page ids must be >= 0, got a negative id")
+                host_max = int(high)
         elif indices.device != self._device:
             raise ValueError(f"indices: expected a tensor on {self._device} (the workspace's device), got {indices.device}")
         if self._graph:
@@ -299,6 +332,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"needs {indices.numel()}")
             self._graph_indices[: indices.numel()].copy_(indices, non_blocking=True)
             return self._graph_indices, host_max
+        if indices.is_cuda:  # already on the workspace's device: skip the no-op .to() dispatch
+            return indices.contiguous(), host_max
         return indices.to(self._device, non_blocking=True).contiguous(), host_max
 
     def _image_buffers(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,12 +345,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._upload_done = torch.cuda.Event()
         if self._host_image.numel() < size:
             self._host_image = torch.empty(size, dtype=torch.int32, pin_memory=True)
+            self._views = None
         if self._int_workspace.numel() < size:
             if self._graph and self._int_workspace.numel() > 0:
                 raise ValueError("plan(): a CUDA-graph wrapper cannot grow its plan buffer; keep batch size and "
                                  "heads fixed across plans")
             self._int_workspace = torch.empty(size, dtype=torch.int32, device=self._device)
+            self._views = None
         return self._host_image, self._int_workspace
+
+    def _image_views(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `size` entries of the host and device images, sliced once per size."""
+        if self._views is None or self._views[0] != size:
+            self._views = (size, self._host_image[:size], self._int_workspace[:size])
+        return self._views[1], self._views[2]
 
     def _set_scales(self, q_scale: float, k_scale: float) -> None:
         plan = self._plan

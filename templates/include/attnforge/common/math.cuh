@@ -22,12 +22,42 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
-// Sum over the `kLanes` consecutive lanes of a warp that share one dot product.
-template <int kLanes>
+// Sum / max over the kLanes lanes l ^ (kStride * i), i < kLanes: lanes that differ only in the
+// lane-index bits [kStride, kStride * kLanes). kStride = 1 reduces over consecutive lanes.
+template <int kLanes, int kStride = 1>
 __device__ __forceinline__ float lane_group_sum(float x) {
 #pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  for (int offset = kStride; offset < kStride * kLanes; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
+}
+
+template <int kLanes, int kStride = 1>
+__device__ __forceinline__ float lane_group_max(float x) {
+#pragma unroll
+  for (int offset = kStride; offset < kStride * kLanes; offset *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// Reduce-scatter by recursive halving over the kLanes consecutive lanes that share kValues dot
+// products (each lane holding its columns' partial sums): kValues - kValues / kScatter shuffles
+// where a butterfly all-reduce of every value needs kValues * log2(kLanes).
+//   kScatter = min(kValues, kLanes) lanes split the values; the other kLanes / kScatter lanes
+//   finish the same values with a butterfly and hold copies of them.
+// Contract: lane l owns items [own, own + kPerLane) with kPerLane = kValues / kScatter and
+// own = (l % kLanes) / (kLanes / kScatter) * kPerLane; slot i of `x` must hold the lane's partial
+// sum of item i ^ own. Then every step keeps the first half of the live slots and adds the
+// partner's second half, which holds the same items (no selects), and on return x[i],
+// i < kPerLane, is the full sum of item own + i. Slots >= kPerLane are left undefined.
+template <int kLanes, int kValues>
+__device__ __forceinline__ void lane_group_reduce_scatter(float (&x)[kValues]) {
+  constexpr int kScatter = kValues < kLanes ? kValues : kLanes;
+#pragma unroll
+  for (int step = 1; step < kScatter; step *= 2) {
+    const int live = kValues / (2 * step);
+#pragma unroll
+    for (int i = 0; i < live; ++i) x[i] += __shfl_xor_sync(0xffffffffu, x[i + live], kLanes / (2 * step));
+  }
+  x[0] = lane_group_sum<kLanes / kScatter>(x[0]);
 }
 
 }  // namespace attnforge::common

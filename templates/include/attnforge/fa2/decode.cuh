@@ -8,6 +8,9 @@
 //   kHeadsPerThread query heads, tz one "token lane" that takes every kBdz-th row of a KV tile.
 //   K/V tiles stream through a kStages-deep cp.async ring; page ids for the tile after next are
 //   fetched one iteration ahead so the gather never waits on the page table.
+//   Scores: the kBdx lanes of a row (a "lane group") reduce-scatter their partial dot products
+//   so that each finished score lives in one lane, which applies soft cap, mask and exp2 once;
+//   the probabilities reach every lane of the group for P.V through a small shared buffer.
 //   Output: softmax-normalized o and base-2 lse (log2 of the denominator plus the scaled max),
 //   either straight into o/lse or, for a split request, into the fp32 partial slot the plan gave.
 //   An empty range writes o = 0, lse = -inf. A page id outside [0, num_pages) never reaches
@@ -62,8 +65,21 @@ struct DecodeTraits {
                 "decode tile: every thread must issue the same number of 16-byte copies");
   static_assert(kTileTokens % kBdz == 0, "decode tile: token lanes must split a tile evenly");
 
+  // Per tile a lane group computes kScores = kTokensPerLane x kHeadsPerThread dot products. The
+  // reduce-scatter spreads them over kScatterLanes lanes, kScoresPerLane consecutive tokens of one
+  // head each; the remaining kReplicas-fold lanes hold copies. kHeadLanes scatter lanes share a
+  // head: its tile max and denominator are reduced over them alone. (Scattering kBdx tokens of
+  // each head instead would need 4x larger tiles, which the 3-stage ring at 4 CTAs/SM cannot hold.)
+  static constexpr int kScores = kTokensPerLane * kHeadsPerThread;
+  static constexpr int kScatterLanes = kScores < kBdx ? kScores : kBdx;
+  static constexpr int kScoresPerLane = kScores / kScatterLanes;
+  static constexpr int kReplicas = kBdx / kScatterLanes;
+  static constexpr int kHeadLanes = kTokensPerLane / kScoresPerLane;
+  static_assert(kHeadLanes >= 1 && kTokensPerLane % kScoresPerLane == 0,
+                "decode scores: the scores one lane finishes must belong to one head");
+
   // Token-lane partial states, merged once the KV ring has drained: [kBdz][kHeadsPerCta][kHeadDim]
-  // and (m, d). They reuse the ring's memory, which keeps the CTA at 64 KB (3 per SM).
+  // and (m, d). They reuse the ring's memory, which keeps the CTA near 48 KB (4 per SM).
   struct LaneStates {
     float o[kBdz][kHeadsPerCta][kHeadDim];
     float m[kBdz][kHeadsPerCta];
@@ -73,9 +89,17 @@ struct DecodeTraits {
     alignas(16) DTypeKV k[kStages][kTileTokens * kHeadDim];
     alignas(16) DTypeKV v[kStages][kTileTokens * kHeadDim];
   };
-  union SharedStorage {
-    Ring ring;
-    LaneStates lanes;
+  // One token's probabilities for a lane group's heads; row kTokensPerLane of a group's buffer
+  // holds each head's rescale factor instead. Aligned so a lane reads a row in one load.
+  struct alignas(sizeof(float) * kHeadsPerThread) ProbRow {
+    float h[kHeadsPerThread];
+  };
+  struct SharedStorage {
+    union {
+      Ring ring;
+      LaneStates lanes;
+    };
+    ProbRow probs[kBdz][kBdy][kTokensPerLane + 1];  // per lane group, rewritten every tile
   };
 };
 
@@ -85,14 +109,6 @@ struct SoftmaxState {
   float m = common::kNegInf;  // running max of base-2 scores
   float d = 0.f;              // running sum of 2^(s - m)
   float o[kVec] = {};         // running sum of 2^(s - m) * v
-
-  __device__ __forceinline__ void rescale_to(float m_new) {
-    const float alpha = common::fast_exp2(m - m_new);
-    d *= alpha;
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) o[e] *= alpha;
-    m = m_new;
-  }
 
   // Fold another state (same head, other tokens) into this one.
   __device__ __forceinline__ void merge(float m_other, float d_other, const float* o_other) {
@@ -107,63 +123,106 @@ struct SoftmaxState {
   }
 };
 
-// One KV tile for this thread's heads: scores of its lane's tokens, then the online-softmax
-// update and P.V. q is pre-scaled so a dot product is already a base-2 logit.
+// The scores a lane finishes after the reduce-scatter: tokens [token, token + kScoresPerLane) of
+// the tile's kTokensPerLane (this lane group's rows) for head slot `head` of kHeadsPerThread.
+// The lane computes its partial dot products in an order permuted by the same index (slot (h, j)
+// holds head h ^ head, token j ^ token), as lane_group_reduce_scatter requires.
+struct ScoreOwner {
+  int head;
+  int token;
+};
+
+template <typename T>
+__device__ __forceinline__ ScoreOwner score_owner(int tx) {
+  const int own = tx / T::kReplicas * T::kScoresPerLane;
+  return {own / T::kTokensPerLane, own % T::kTokensPerLane};
+}
+
+// This lane's share of the online softmax outside P.V: running max and the partial denominator
+// (over the tokens this lane finished) of its owned head; reduced over kHeadLanes at the end.
+struct OwnedHead {
+  float m = common::kNegInf;
+  float d = 0.f;
+};
+
+// One KV tile for this lane group: reduce-scattered scores, the online-softmax update, P.V.
+// q is pre-scaled so a dot product is already a base-2 logit; its slot h holds head h ^ owner.head.
+// o holds the heads in natural order. probs is this lane group's shared buffer.
 template <typename T>
 __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, const typename T::DTypeKV* v_tile,
-                                            const float (&q)[T::kHeadsPerThread][T::kVec], int valid_rows,
-                                            float post_scale, SoftmaxState<T::kVec> (&st)[T::kHeadsPerThread]) {
+                                            const float (&q)[T::kHeadsPerThread][T::kVec], ScoreOwner owner,
+                                            int valid_rows, float post_scale, typename T::ProbRow* probs,
+                                            OwnedHead& own, float (&o)[T::kHeadsPerThread][T::kVec]) {
   using Vec = common::Vec16<typename T::DTypeKV>;
   constexpr int H = T::kHeadsPerThread;
+  constexpr int kTokens = T::kTokensPerLane;
   const int tx = threadIdx.x, tz = threadIdx.z;
-  float s[T::kTokensPerLane][H];
+  // Token j of this lane group is tile row j * kBdz + tz: neighbouring warps read neighbouring rows.
+  const int lane_offset = tz * T::kHeadDim + tx * T::kVec;
+  constexpr int kTokenStride = T::kBdz * T::kHeadDim;
+
+  float s[T::kScores];  // slot (h, j) at h * kTokens + j
 #pragma unroll
-  for (int j = 0; j < T::kTokensPerLane; ++j) {
-    const int row = j * T::kBdz + tz;  // lanes interleave rows: neighbouring warps read neighbouring rows
+  for (int j = 0; j < kTokens; ++j) {
     float kf[T::kVec];
-    Vec::to_float(*reinterpret_cast<const uint4*>(k_tile + row * T::kHeadDim + tx * T::kVec), kf);
+    Vec::to_float(*reinterpret_cast<const uint4*>(k_tile + (j ^ owner.token) * kTokenStride + lane_offset), kf);
 #pragma unroll
     for (int h = 0; h < H; ++h) {
       float dot = 0.f;
 #pragma unroll
       for (int e = 0; e < T::kVec; ++e) dot = fmaf(q[h][e], kf[e], dot);
-      s[j][h] = dot;
+      s[h * kTokens + j] = dot;
     }
   }
+  common::lane_group_reduce_scatter<T::kBdx, T::kScores>(s);
+
+  float tile_max = common::kNegInf;
 #pragma unroll
-  for (int j = 0; j < T::kTokensPerLane; ++j) {
-    const bool valid = j * T::kBdz + tz < valid_rows;
+  for (int i = 0; i < T::kScoresPerLane; ++i) {
+    float score = s[i];
+    if constexpr (T::kSoftCap) score = post_scale * common::fast_tanh(score);
+    s[i] = (owner.token + i) * T::kBdz + tz < valid_rows ? score : common::kNegInf;
+    tile_max = fmaxf(tile_max, s[i]);
+  }
+  tile_max = common::lane_group_max<T::kHeadLanes, T::kReplicas>(tile_max);
+  const float m_new = fmaxf(own.m, tile_max);
+  // -inf max: nothing valid yet; keep 2^(s - m) finite by measuring from 0 (p is 0 anyway).
+  const float m_safe = m_new == common::kNegInf ? 0.f : m_new;
+  // Exactly 1 when the max holds, so P.V below can skip the rescale.
+  const float alpha = m_new > own.m ? common::fast_exp2(own.m - m_safe) : 1.f;
+  own.m = m_new;
+  own.d *= alpha;
+  // Every lane multiplies every probability of its group into its own columns of V. A lane holds
+  // kScoresPerLane of the kScores, so sharing them by shuffles costs kScores SHFL per lane; through
+  // shared memory it is kScoresPerLane + 1 stores and kTokens + 1 row loads (one per token and one
+  // for the rescale factors), all lanes of a group reading the same address (a broadcast).
+#pragma unroll
+  for (int i = 0; i < T::kScoresPerLane; ++i) {
+    const float prob = common::fast_exp2(s[i] - m_safe);
+    own.d += prob;
+    probs[owner.token + i].h[owner.head] = prob;
+  }
+  probs[kTokens].h[owner.head] = alpha;  // the head's other lanes (and copies) store the same value
+  __syncwarp();  // a lane group never spans warps; the next tile's stores wait behind __syncthreads
+
+  // The max rarely moves after the first tiles: one warp-wide vote skips the whole rescale.
+  if (__any_sync(0xffffffffu, alpha != 1.f)) {
+    const typename T::ProbRow rescale = probs[kTokens];
 #pragma unroll
     for (int h = 0; h < H; ++h) {
-      float dot = common::lane_group_sum<T::kBdx>(s[j][h]);
-      if constexpr (T::kSoftCap) dot = post_scale * common::fast_tanh(dot);
-      s[j][h] = valid ? dot : common::kNegInf;
+#pragma unroll
+      for (int e = 0; e < T::kVec; ++e) o[h][e] *= rescale.h[h];
     }
   }
 #pragma unroll
-  for (int h = 0; h < H; ++h) {
-    float tile_max = s[0][h];
-#pragma unroll
-    for (int j = 1; j < T::kTokensPerLane; ++j) tile_max = fmaxf(tile_max, s[j][h]);
-    const float m_new = fmaxf(st[h].m, tile_max);
-    // -inf max: nothing valid yet; keep 2^(s - m) finite by measuring from 0 (p is 0 anyway).
-    const float m_safe = m_new == common::kNegInf ? 0.f : m_new;
-    if (m_new > st[h].m) st[h].rescale_to(m_safe);
-#pragma unroll
-    for (int j = 0; j < T::kTokensPerLane; ++j) {
-      s[j][h] = common::fast_exp2(s[j][h] - m_safe);
-      st[h].d += s[j][h];
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < T::kTokensPerLane; ++j) {
-    const int row = j * T::kBdz + tz;
+  for (int j = 0; j < kTokens; ++j) {
     float vf[T::kVec];
-    Vec::to_float(*reinterpret_cast<const uint4*>(v_tile + row * T::kHeadDim + tx * T::kVec), vf);
+    Vec::to_float(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset), vf);
+    const typename T::ProbRow p = probs[j];
 #pragma unroll
     for (int h = 0; h < H; ++h) {
 #pragma unroll
-      for (int e = 0; e < T::kVec; ++e) st[h].o[e] = fmaf(s[j][h], vf[e], st[h].o[e]);
+      for (int e = 0; e < T::kVec; ++e) o[h][e] = fmaf(p.h[h], vf[e], o[h][e]);
     }
   }
 }
@@ -192,44 +251,51 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   // This thread's heads: group slots head_tile * kHeadsPerCta + ty * H + h. Slots past the group
   // (a tile that does not divide it) compute on a clamped head and store nothing.
   const int first_slot = head_tile * T::kHeadsPerCta + ty * H;
-  float q[H][T::kVec];
+  const ScoreOwner owner = score_owner<T>(tx);
+  float q[H][T::kVec];  // slot h: head h ^ owner.head (see ScoreOwner)
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     using QVec = common::Vec16<typename T::DTypeQ>;
-    const int qo_head = kv_head * p.group_size + min(first_slot + h, p.group_size - 1);
+    const int qo_head = kv_head * p.group_size + min(first_slot + (h ^ owner.head), p.group_size - 1);
     const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
     QVec::to_float(*reinterpret_cast<const uint4*>(q_row + tx * T::kVec), q[h]);
 #pragma unroll
     for (int e = 0; e < T::kVec; ++e) q[h][e] *= p.score_scale;
   }
 
-  // Each thread copies the same kChunksPerThread (row, column) chunks of every tile.
-  const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
-  const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.kv_stride_head;
+  // Each thread copies the same kChunksPerThread chunks of every tile: column tid % kBdx of rows
+  // tid / kBdx + c * kRowsPerPass. Branch-free: a row past the range keeps page 0's address and
+  // copies zeros (its validity is recomputed at issue instead of being carried in the offset).
+  // Offsets are in bytes so that issuing a copy is one 64-bit add per tensor.
+  constexpr int kRowsPerPass = T::kThreads / T::kBdx;
+  const int copy_row = tid / T::kBdx;
+  const int copy_col = tid % T::kBdx * T::kVec;
+  const auto* k_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head + copy_col);
+  const auto* v_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.v) + kv_head * p.kv_stride_head + copy_col);
+  const int64_t page_bytes = p.kv_stride_page * int64_t(sizeof(DTypeKV));
+  const int64_t token_bytes = p.kv_stride_token * int64_t(sizeof(DTypeKV));
   const common::FastDivmod page_size(p.page_size);
   bool bad_page = false;
   auto row_offset = [&](int tile, int c) -> int64_t {
-    const int chunk = tid + c * T::kThreads;
-    const int token = begin + tile * T::kTileTokens + chunk / T::kBdx;
-    if (token >= end) return -1;
+    const int token = begin + tile * T::kTileTokens + copy_row + c * kRowsPerPass;
+    const bool in_range = token < end;
     int page_index, in_page;
     page_size.divmod(token, page_index, in_page);
-    const int page = __ldg(page_ids + page_index);
+    const int page = in_range ? __ldg(page_ids + page_index) : 0;
     const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
-    bad_page |= !ok;
-    return (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token +
-           (chunk % T::kBdx) * T::kVec;
+    bad_page |= in_range && !ok;
+    return int64_t(ok ? static_cast<unsigned>(page) : 0u) * page_bytes +
+           int64_t(static_cast<unsigned>(in_page)) * token_bytes;
   };
   auto issue = [&](int tile, const int64_t (&offsets)[T::kChunksPerThread]) {
     const int stage = tile % T::kStages;
+    const int first_token = begin + tile * T::kTileTokens + copy_row;
 #pragma unroll
     for (int c = 0; c < T::kChunksPerThread; ++c) {
-      const int chunk = tid + c * T::kThreads;
-      const int smem_idx = (chunk / T::kBdx) * T::kHeadDim + (chunk % T::kBdx) * T::kVec;
-      const bool valid = offsets[c] >= 0;
-      const int64_t off = valid ? offsets[c] : 0;
-      common::cp_async_16(&smem.ring.k[stage][smem_idx], k_head + off, valid);
-      common::cp_async_16(&smem.ring.v[stage][smem_idx], v_head + off, valid);
+      const int smem_idx = (copy_row + c * kRowsPerPass) * T::kHeadDim + copy_col;
+      const bool valid = first_token + c * kRowsPerPass < end;
+      common::cp_async_16(&smem.ring.k[stage][smem_idx], k_src + offsets[c], valid);
+      common::cp_async_16(&smem.ring.v[stage][smem_idx], v_src + offsets[c], valid);
     }
   };
 
@@ -245,7 +311,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
 #pragma unroll
   for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(T::kStages - 1, c);
 
-  SoftmaxState<T::kVec> st[H];
+  float o[H][T::kVec] = {};
+  OwnedHead own;
   for (int tile = 0; tile < num_tiles; ++tile) {
     common::cp_async_wait<T::kStages - 2>();
     __syncthreads();
@@ -257,9 +324,23 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(ahead + 1, c);
 
     const int stage = tile % T::kStages;
-    decode_tile<T>(smem.ring.k[stage], smem.ring.v[stage], q, end - begin - tile * T::kTileTokens, p.post_scale, st);
+    decode_tile<T>(smem.ring.k[stage], smem.ring.v[stage], q, owner, end - begin - tile * T::kTileTokens, p.post_scale,
+                   smem.probs[tz][ty], own, o);
   }
   common::cp_async_wait<0>();
+
+  // Gather every head's (m, d) into each lane: a head's lanes already share its max; its
+  // denominator is split over them.
+  own.d = common::lane_group_sum<T::kHeadLanes, T::kReplicas>(own.d);
+  SoftmaxState<T::kVec> st[H];
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const int owner_lane = h * T::kHeadLanes * T::kReplicas;
+    st[h].m = __shfl_sync(0xffffffffu, own.m, owner_lane, T::kBdx);
+    st[h].d = __shfl_sync(0xffffffffu, own.d, owner_lane, T::kBdx);
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) st[h].o[e] = o[h][e];
+  }
 
   // Merge the token lanes of each head (lane 0 keeps the result).
   if constexpr (T::kBdz > 1) {
