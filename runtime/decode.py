@@ -20,8 +20,9 @@ from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
 from attnforge.codegen.dtypes import DType
 from attnforge.codegen.spec import PosEncoding
 
-from . import checks, dispatch
+from . import checks, dispatch, kv_cache
 from .loader import Module, load
+from .plan_buffers import current_stream, num_sms
 from .planner import (
     MAX_CTAS_PER_SM_BOUND,
     MIN_CHUNK_TOKENS,
@@ -33,21 +34,6 @@ from .planner import (
 from .settings import settings
 
 LOG2_E = math.log2(math.e)
-KV_LAYOUTS = ("NHD", "HND")
-
-
-def _current_stream(device_index: int) -> int:
-    """The caller's current stream on the device, as a raw handle (the public accessor builds a
-    Stream object per call, a few µs that every run() would pay)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 @functools.cache
 def _decode_module(backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType, head_dim: int,
                    pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
@@ -94,7 +80,7 @@ def _struct_templates(module: Module, batch_size: int, num_qo_heads: int, num_kv
 def _max_ctas(module: Module, heads: int, device_index: int) -> int:
     ctas_per_sm = ctypes.c_int32()
     module.check(module.fns["decode_occupancy"](heads, device_index, ctypes.byref(ctas_per_sm)), "decode occupancy query")
-    return _num_sms(device_index) * max(ctas_per_sm.value, 1)
+    return num_sms(device_index) * max(ctas_per_sm.value, 1)
 
 
 def decode_workspace_size(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, device=None) -> int:
@@ -106,7 +92,7 @@ def decode_workspace_size(batch_size: int, num_qo_heads: int, num_kv_heads: int,
     index = device.index if device.index is not None else torch.cuda.current_device()
     group = num_qo_heads // num_kv_heads
     _, tiles = heads_per_cta(max(group, 1))
-    capacity = work_capacity(batch_size, _num_sms(index) * MAX_CTAS_PER_SM_BOUND, num_kv_heads * tiles)
+    capacity = work_capacity(batch_size, num_sms(index) * MAX_CTAS_PER_SM_BOUND, num_kv_heads * tiles)
     v_bytes, s_bytes = partial_bytes(capacity, num_qo_heads, head_dim)
     return v_bytes + s_bytes
 
@@ -148,8 +134,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not float_workspace_buffer.is_cuda or not float_workspace_buffer.is_contiguous():
             raise ValueError("float_workspace_buffer: expected a contiguous CUDA tensor, got "
                              f"{'a non-contiguous' if float_workspace_buffer.is_cuda else 'a ' + str(float_workspace_buffer.device)} tensor")
-        if kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
+        kv_cache.check_layout(kv_layout)
         if jit_args is not None:
             raise ValueError("jit_args: custom attention variants are not supported; leave jit_args=None")
         self._backend = dispatch.parse_backend(backend)
@@ -396,7 +381,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         checks.device(q, "q", self._device)
         checks.shape(q, "q", (plan.batch_size, plan.num_qo_heads, plan.head_dim), "[batch_size, num_qo_heads, head_dim]")
         checks.vector_aligned(q, "q")
-        k_cache, v_cache = self._split_cache(paged_kv_cache)
+        k_cache, v_cache = kv_cache.split_paged(paged_kv_cache, self._kv_layout, plan.page_size, plan.num_kv_heads,
+                                                plan.head_dim, plan.head_dim, plan.dtype_kv, self._device)
         num_pages = k_cache.shape[0]
         if plan.host_max_page is not None and plan.host_max_page >= num_pages:
             raise ValueError(f"indices: page id {plan.host_max_page} is out of range for a cache of {num_pages} pages")
@@ -430,9 +416,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         params.q_stride_n, params.q_stride_h = q.stride(0), q.stride(1)
         params.o_stride_n, params.o_stride_h = out.stride(0), out.stride(1)
         params.num_pages = num_pages
-        stride_page, stride_token, stride_head = self._kv_strides(k_cache)
+        stride_page, stride_token, stride_head = kv_cache.paged_strides(k_cache, self._kv_layout)
+        if kv_cache.paged_strides(v_cache, self._kv_layout) != (stride_page, stride_token, stride_head):
+            raise ValueError(f"paged_kv_cache: k and v caches must have equal strides, got {tuple(k_cache.stride())} "
+                             f"and {tuple(v_cache.stride())}")
         params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = stride_page, stride_token, stride_head
-        stream = _current_stream(self._device_index())
+        stream = current_stream(self._device_index())
         plan.module.check(plan.module.fns["decode_run"](ctypes.byref(params), stream), "decode run")
         if params.debug_sync:
             self._raise_kernel_errors()
@@ -441,41 +430,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return (out, lse) if return_lse else out
 
     forward = run
-
-    def _split_cache(self, paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = self._plan
-        if isinstance(paged_kv_cache, (tuple, list)):
-            if len(paged_kv_cache) != 2:
-                raise ValueError(f"paged_kv_cache: expected a (k_cache, v_cache) pair, got {len(paged_kv_cache)} tensors")
-            k_cache, v_cache = paged_kv_cache
-            checks.tensor(k_cache, "paged_kv_cache[0] (k_cache)")
-            checks.tensor(v_cache, "paged_kv_cache[1] (v_cache)")
-        else:
-            checks.tensor(paged_kv_cache, "paged_kv_cache")
-            if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
-                raise ValueError(f"paged_kv_cache: a single tensor must be [num_pages, 2, ...] ({self._kv_layout} pages "
-                                 f"after the K/V axis), got shape {tuple(paged_kv_cache.shape)}")
-            k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
-        per_page = ((plan.page_size, plan.num_kv_heads) if self._kv_layout == "NHD" else (plan.num_kv_heads, plan.page_size))
-        layout = "[num_pages, page_size, num_kv_heads, head_dim]" if self._kv_layout == "NHD" else \
-            "[num_pages, num_kv_heads, page_size, head_dim]"
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            checks.dtype(cache, name, plan.dtype_kv, "kv_data_type given to plan()")
-            checks.device(cache, name, self._device)
-            if cache.dim() != 4:
-                raise ValueError(f"{name}: expected a 4-D {self._kv_layout} cache {layout}, got shape {tuple(cache.shape)}")
-            checks.shape(cache, name, (cache.shape[0], *per_page, plan.head_dim), f"{self._kv_layout}: {layout}")
-            checks.vector_aligned(cache, name)
-        if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-            raise ValueError(f"paged_kv_cache: k and v caches must have equal shapes and strides, got "
-                             f"{tuple(k_cache.shape)}/{tuple(k_cache.stride())} and {tuple(v_cache.shape)}/{tuple(v_cache.stride())}")
-        return k_cache, v_cache
-
-    def _kv_strides(self, cache: torch.Tensor) -> tuple[int, int, int]:
-        """(page, token, head) strides in elements."""
-        if self._kv_layout == "NHD":
-            return cache.stride(0), cache.stride(1), cache.stride(2)
-        return cache.stride(0), cache.stride(2), cache.stride(1)
 
     def _raise_kernel_errors(self) -> None:
         torch.cuda.synchronize(self._device)
@@ -505,8 +459,7 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         checks.tensor(x, name)
         if x.dim() != dims:
             raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(x.shape)}")
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
+    kv_cache.check_layout(kv_layout)
     if k.shape != v.shape:
         raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
     token_dim, head_dim_axis = (0, 1) if kv_layout == "NHD" else (1, 0)

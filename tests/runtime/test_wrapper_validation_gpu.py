@@ -218,7 +218,7 @@ def test_run_kv_wrong_layout(base):
 
 def test_run_kv_different_shapes(base):
     v = torch.cat([base.v, base.v[:4]])
-    refuse_run(planned(base), ValueError, "paged_kv_cache", "equal shapes", args=(base.q, (base.k, v)))
+    refuse_run(planned(base), ValueError, "paged_kv_cache", "same number of pages", args=(base.q, (base.k, v)))
 
 
 def test_run_kv_three_tuple(base):
