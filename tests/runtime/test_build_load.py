@@ -28,7 +28,13 @@ def decode_spec(archs, head_dim: int = 128) -> KernelSpec:
                       dtype_o=DType.BF16, head_dim_qk=head_dim, head_dim_vo=head_dim, archs=archs)
 
 
-SPECS = {"sm80": decode_spec((Arch.SM80,)), "sm90a": decode_spec((Arch.SM90A,))}
+def prefill_spec(archs) -> KernelSpec:
+    return KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
+                      dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, archs=archs)
+
+
+SPECS = {"sm80": decode_spec((Arch.SM80,)), "sm90a": decode_spec((Arch.SM90A,)),
+         "prefill_sm80": prefill_spec((Arch.SM80,)), "prefill_sm90a": prefill_spec((Arch.SM90A,))}
 
 
 class _Records(logging.Handler):
@@ -69,7 +75,8 @@ def test_module_compiles_and_loads_without_gpu(built, name):
     module, _ = built[name]
     assert module.spec == SPECS[name]
     assert module.path == library_path(SPECS[name])
-    assert set(module.fns) >= {"last_error", "abi", "decode_plan", "decode_occupancy", "decode_run"}
+    kind = module.spec.kind.value
+    assert set(module.fns) >= {"last_error", "abi", f"{kind}_plan", f"{kind}_occupancy", f"{kind}_run"}
     assert isinstance(module.last_error(), str)
 
 
