@@ -23,7 +23,7 @@ from pathlib import Path
 
 from attnforge.codegen.render import render, write_files
 from attnforge.codegen.sources import include_dir
-from attnforge.codegen.spec import KernelSpec
+from attnforge.codegen.spec import Backend, KernelSpec
 
 from .settings import Settings, settings as read_settings
 
@@ -39,6 +39,11 @@ NVCC_FLAGS = (
     "-Xcompiler=-fPIC,-fvisibility=hidden",
 )
 LINK_FLAGS = ("-shared", "-cudart=static", "-lrt", "-ldl", "-lpthread")
+# FA3 kernels are written with CuTe: its headers, and the wgmma shapes FA3's tiles need.
+FA3_FLAGS = ("-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",)
+# ptxas C7510: "wgmma.mma_async instructions are serialized". The module would run, several times
+# slower than it should, so the build fails instead (KERNELS.md §3).
+SERIALIZED_WGMMA = "C7510"
 
 
 class BuildError(RuntimeError):
@@ -78,10 +83,29 @@ def file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def cutlass_include(config: Settings) -> Path:
+    """CuTe/CUTLASS headers: $CUTLASS_DIR/include, else those of the nvidia-cutlass wheel."""
+    if config.cutlass_dir is not None:
+        path = config.cutlass_dir / "include"
+    else:
+        try:
+            import cutlass_library
+        except ImportError:
+            raise BuildError("fa3 modules need the CUTLASS headers: pip install nvidia-cutlass, or set CUTLASS_DIR "
+                             "to a CUTLASS checkout") from None
+        path = Path(cutlass_library.__file__).parent / "source" / "include"
+    if not (path / "cute" / "tensor.hpp").is_file():
+        raise BuildError(f"no CuTe headers at {path} (expected cute/tensor.hpp); check CUTLASS_DIR or nvidia-cutlass")
+    return path
+
+
 def ninja_file(spec: KernelSpec, src: Path, out_name: str, config: Settings) -> str:
     if config.nvcc is None:
         raise BuildError("nvcc not found: set CUDA_HOME or ATTNFORGE_NVCC, or put nvcc on the PATH")
-    flags = [*NVCC_FLAGS, *(a.gencode for a in spec.archs), f"-I{src}", f"-I{include_dir()}", *config.extra_cuda_flags]
+    flags = [*NVCC_FLAGS, *(a.gencode for a in spec.archs), f"-I{src}", f"-I{include_dir()}"]
+    if spec.backend is Backend.FA3:
+        flags += [*FA3_FLAGS, f"-I{cutlass_include(config)}"]
+    flags += config.extra_cuda_flags
     units = sorted(p.name for p in src.glob("*.cu"))
     lines = [
         "ninja_required_version = 1.3",
@@ -127,6 +151,10 @@ def _run_ninja(build_dir: Path, config: Settings) -> None:
     if result.returncode != 0:
         tail = "\n".join(output.splitlines()[-60:])
         raise BuildError(f"ninja failed in {build_dir} (exit {result.returncode}):\n{tail}")
+    serialized = [line for line in output.splitlines() if SERIALIZED_WGMMA in line]
+    if serialized:
+        raise BuildError(f"ptxas serialized wgmma in {build_dir} ({SERIALIZED_WGMMA}); the kernel would run far "
+                         "below speed:\n" + "\n".join(serialized[:10]))
 
 
 def build_locked(spec: KernelSpec, config: Settings) -> Path:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from attnforge.codegen.dtypes import DType
-from attnforge.codegen.rules import ensure_valid
+from attnforge.codegen.rules import check, ensure_valid
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 
 from .settings import settings
@@ -90,14 +91,28 @@ def decode_spec(*, backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType
     return ensure_valid(spec)
 
 
+def resolve_backend(backend: str, spec: KernelSpec) -> KernelSpec:
+    """The spec with its backend decided. "auto" picks fa3 exactly when the targets include sm90a and
+    every rule passes for the fa3 version of the spec (head dims, dtypes, mask, encoding included);
+    otherwise fa2. An explicit backend is taken as asked, and a rule that refuses it raises with its
+    message and suggestion."""
+    if backend == "auto":
+        fa3 = dataclasses.replace(spec, backend=Backend.FA3, archs=(Arch.SM90A,))
+        if Arch.SM90A in spec.archs and not check(fa3):
+            return fa3
+        return ensure_valid(dataclasses.replace(spec, backend=Backend.FA2))
+    chosen = Backend(backend)
+    archs = (Arch.SM90A,) if chosen is Backend.FA3 and Arch.SM90A in spec.archs else spec.archs
+    return ensure_valid(dataclasses.replace(spec, backend=chosen, archs=archs))
+
+
 def prefill_spec(*, backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType, head_dim_qk: int,
                  head_dim_vo: int, pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
                  use_custom_mask: bool, archs: tuple[Arch, ...]) -> KernelSpec:
-    """The prefill spec for the planned arguments. "auto" resolves to fa2 (the only prefill family
-    of this version); an explicit fa3 is refused by the rules with their suggestion."""
+    """The prefill spec for the planned arguments, backend resolved by `resolve_backend`."""
     spec = KernelSpec(
         kind=Kind.PREFILL,
-        backend=Backend.FA3 if backend == "fa3" else Backend.FA2,
+        backend=Backend.FA2,
         dtype_q=dtype_q,
         dtype_kv=dtype_kv,
         dtype_o=dtype_o,
@@ -109,4 +124,4 @@ def prefill_spec(*, backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DTyp
         use_custom_mask=use_custom_mask,
         archs=archs,
     )
-    return ensure_valid(spec)
+    return resolve_backend(backend, spec)

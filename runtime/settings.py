@@ -19,6 +19,7 @@ class Settings:
     max_jobs: int | None  # MAX_JOBS: parallel nvcc processes (about 1.5 GB each)
     nvcc: str | None  # ATTNFORGE_NVCC, else $CUDA_HOME/bin/nvcc, else nvcc on the PATH
     extra_cuda_flags: tuple[str, ...]  # ATTNFORGE_EXTRA_CUDAFLAGS, appended to every nvcc command
+    cutlass_dir: Path | None  # CUTLASS_DIR: a CUTLASS checkout whose include/ FA3 modules use (default: the wheel)
 
 
 def _flag(name: str) -> bool:
@@ -51,4 +52,5 @@ def settings() -> Settings:
         max_jobs=int(jobs) if jobs else None,
         nvcc=_find_nvcc(),
         extra_cuda_flags=tuple(os.environ.get("ATTNFORGE_EXTRA_CUDAFLAGS", "").split()),
+        cutlass_dir=Path(os.environ["CUTLASS_DIR"]) if os.environ.get("CUTLASS_DIR") else None,
     )

@@ -1,0 +1,58 @@
+"""Per-backend build flags: FA3 modules get the CuTe headers and the extended wgmma shapes; a
+ptxas report of serialized wgmma (C7510) fails the build. No compiler runs here."""
+
+from __future__ import annotations
+
+import stat
+from dataclasses import replace
+
+import pytest
+
+from attnforge import build as build_module
+from attnforge.build import BuildError, cutlass_include, ninja_file
+from attnforge.codegen.dtypes import DType
+from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind
+from attnforge.settings import settings
+
+FA2 = KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
+                 dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, archs=(Arch.SM90A,))
+FA3 = replace(FA2, backend=Backend.FA3)
+
+
+def _config(**changes):
+    return replace(settings(), nvcc="/usr/bin/true", **changes)
+
+
+def test_fa3_modules_get_cute_headers_and_extended_shapes(tmp_path):
+    text = ninja_file(FA3, tmp_path, "m.so", _config())
+    assert "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" in text
+    include = cutlass_include(_config())
+    assert (include / "cute" / "tensor.hpp").is_file()
+    assert f"-I{include}" in text
+    assert "-gencode=arch=compute_90a,code=sm_90a" in text and "-DNDEBUG" in text
+
+
+def test_fa2_modules_do_not_pull_in_cutlass(tmp_path):
+    text = ninja_file(FA2, tmp_path, "m.so", _config())
+    assert "CUTE_SM90" not in text and "cutlass" not in text.lower()
+
+
+def test_cutlass_dir_overrides_the_wheel(tmp_path):
+    (tmp_path / "include" / "cute").mkdir(parents=True)
+    (tmp_path / "include" / "cute" / "tensor.hpp").write_text("")
+    assert cutlass_include(_config(cutlass_dir=tmp_path)) == tmp_path / "include"
+
+
+def test_cutlass_dir_without_headers_is_refused(tmp_path):
+    with pytest.raises(BuildError, match="CUTLASS_DIR"):
+        cutlass_include(_config(cutlass_dir=tmp_path))
+
+
+def test_serialized_wgmma_warning_fails_the_build(tmp_path, monkeypatch):
+    fake = tmp_path / "ninja"
+    fake.write_text("#!/bin/sh\necho \"ptxas warning : (C7510) Potential Performance Loss: wgmma.mma_async "
+                    "instructions are serialized due to the presence of Extern calls\"\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(build_module, "_ninja", lambda: str(fake))
+    with pytest.raises(BuildError, match="C7510"):
+        build_module._run_ninja(tmp_path, _config(verbose=False))
