@@ -94,10 +94,13 @@ DECODE_PARAMS = _struct(
 
 DECODE_PLAN_ARGS = _struct(
     "DecodePlanArgs",
-    "Host inputs of the decode planner; it writes the plan image in place.",
+    "Host inputs of the decode planner, which writes the plan image in place, and where decode_upload copies it.",
     ("indptr", "const void*", "host int32 [batch+1] page indptr"),
     ("last_page_len", "const void*", "host int32 [batch] tokens in each request's last page"),
     ("image", "void*", "host int32 plan image to fill (pinned)"),
+    ("device_image", "void*", "device int32 plan image the upload writes (its address is fixed under CUDA graphs)"),
+    ("upload_stream", "void*", "cudaStream_t the upload is ordered on: the caller's current stream"),
+    ("upload_done", "void*", "cudaEvent_t recorded after the upload; plan() waits on it before refilling the image"),
     ("batch_size", "int32_t", "requests"),
     ("page_size", "int32_t", "tokens per page"),
     ("num_indices", "int32_t", "entries in the page-id array"),
@@ -108,6 +111,8 @@ DECODE_PLAN_ARGS = _struct(
     ("disable_split_kv", "int32_t", "1: one work item per request"),
     ("min_chunk_tokens", "int32_t", "smallest chunk split-KV may cut"),
     ("work_capacity", "int32_t", "room for work items (and partial slots) in the image"),
+    ("image_size", "int32_t", "int32 entries of the plan image to upload"),
+    ("device", "int32_t", "CUDA device that holds device_image"),
     *PLAN_OFFSETS,
 )
 

@@ -62,6 +62,7 @@ def module_layout(spec: KernelSpec) -> ModuleLayout:
             entry_template="decode_entry.cu.jinja",
             entry_points=(
                 ("decode_plan", "[ctypes.POINTER(DecodePlanArgs), ctypes.POINTER(DecodePlanInfo)]", "ctypes.c_int32"),
+                ("decode_upload", "[ctypes.POINTER(DecodePlanArgs)]", "ctypes.c_int32"),
                 ("decode_occupancy", "[ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)]", "ctypes.c_int32"),
                 ("decode_run", "[ctypes.POINTER(DecodeParams), ctypes.c_void_p]", "ctypes.c_int32"),
             ),

@@ -1,10 +1,10 @@
 """Batch decode over a paged KV cache: FlashInfer's BatchDecodeWithPagedKVCacheWrapper API.
 
 plan() validates the page table, derives the kernel spec from its arguments (building the module
-on first use), schedules on the host through the module's C++ planner, and uploads the plan with
-one asynchronous copy. run() checks its tensors' metadata, patches their pointers into the
-parameter struct built by plan(), and launches on the caller's current stream: it never waits for
-the GPU, so it can be captured in a CUDA graph.
+on first use), schedules on the host through the module's C++ planner, and has the module upload
+the plan with one asynchronous copy. run() checks its tensors' metadata, patches their pointers
+into the parameter struct built by plan(), and launches on the caller's current stream: it never
+waits for the GPU, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -62,13 +62,14 @@ def _struct_templates(module: Module, batch_size: int, num_qo_heads: int, num_kv
     """(DecodePlanArgs, DecodeParams) holding every field that depends only on the plan's shapes;
     plan() copies them and stores the per-call pointers and counts (a ctypes constructor with ~20
     keywords costs several µs, a copy and a few stores well under one)."""
-    offsets, _ = _layout(batch_size, capacity)
+    offsets, image_size = _layout(batch_size, capacity)
     heads, tiles = heads_per_cta(num_qo_heads // num_kv_heads)
     binding = module.binding
     args = binding.DecodePlanArgs(
         batch_size=batch_size, page_size=page_size, ctas_per_request=num_kv_heads * tiles, max_ctas=max_ctas,
         window_left=window_left, fixed_split_tokens=fixed_tokens, disable_split_kv=int(disable_split_kv),
-        min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity, **offsets)
+        min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity, image_size=image_size, device=device_index,
+        **offsets)
     params = binding.DecodeParams(
         batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         group_size=num_qo_heads // num_kv_heads, heads_per_cta=heads, num_head_tiles=tiles, page_size=page_size,
@@ -156,8 +157,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 self._graph_batch_size = paged_kv_indptr_buffer.numel() - 1
         self._int_workspace = torch.empty(0, dtype=torch.int32, device=self._device)
         self._host_image = torch.empty(0, dtype=torch.int32)
-        self._upload_done: torch.cuda.Event | None = None
-        self._views: tuple[int, torch.Tensor, torch.Tensor] | None = None  # see _image_views
+        self._upload_done: torch.cuda.Event | None = None  # recorded by the module after each upload
         self._plan: _Plan | None = None
         self._debug = settings().debug  # ATTNFORGE_DEBUG, read once per wrapper
         # use_tensor_cores: decode runs on the prefill kernels, one query row per request with the
@@ -254,15 +254,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
             capacity = max(capacity, batch_size + -(-int(indptr[-1]) * page_size // fixed_tokens))
         if self._graph:
             self._graph_batch_size = batch_size
-        offsets, image_size = _layout(batch_size, capacity)
-        image, device_image = self._image_buffers(image_size)
+        _, image_size = _layout(batch_size, capacity)
+        image_ptr, device_image_ptr = self._image_buffers(image_size)
 
         binding = module.binding
         args_template, params_template = _struct_templates(
             module, batch_size, num_qo_heads, num_kv_heads, page_size, window_left, fixed_tokens,
             bool(disable_split_kv), capacity, max_ctas, device_index, self._debug)
         args = binding.DecodePlanArgs.from_buffer_copy(args_template)
-        args.indptr, args.last_page_len, args.image = indptr.data_ptr(), last_page_len.data_ptr(), image.data_ptr()
+        args.indptr, args.last_page_len, args.image = indptr.data_ptr(), last_page_len.data_ptr(), image_ptr
+        args.device_image, args.upload_stream = device_image_ptr, current_stream(device_index)
+        args.upload_done = self._upload_done.cuda_event
         args.num_indices = indices.numel()
         info = binding.DecodePlanInfo()
         status = module.fns["decode_plan"](ctypes.byref(args), ctypes.byref(info))
@@ -277,13 +279,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 f"float_workspace_buffer: this plan needs {v_bytes + s_bytes} bytes for split-KV partials, the buffer "
                 f"has {available}; allocate at least attnforge.decode_workspace_size({batch_size}, {num_qo_heads}, "
                 f"{num_kv_heads}, {head_dim}) bytes")
-        image_view, device_image_view = self._image_views(image_size)
-        device_image_view.copy_(image_view, non_blocking=True)
-        self._upload_done.record()
+        module.check(module.fns["decode_upload"](ctypes.byref(args)), "plan image upload")
 
         workspace_ptr = self._workspace.data_ptr()
         params = binding.DecodeParams.from_buffer_copy(params_template)
-        params.indices, params.plan = indices.data_ptr(), device_image.data_ptr()
+        params.indices, params.plan = indices.data_ptr(), device_image_ptr
         params.tmp_v, params.tmp_s = workspace_ptr, workspace_ptr + v_bytes
         params.work_capacity = capacity if self._graph else info.num_work
         params.run_merge = int(self._graph or info.num_partials > 0)
@@ -321,29 +321,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return indices.contiguous(), host_max
         return indices.to(self._device, non_blocking=True).contiguous(), host_max
 
-    def _image_buffers(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pinned host and device buffers for the plan image. The host buffer is refilled only
-        after its previous upload finished."""
+    def _image_buffers(self, size: int) -> tuple[int, int]:
+        """Addresses of the pinned host and the device plan image, `size` int32 entries each. The
+        host image is refilled only after the module's previous upload of it finished."""
         if self._upload_done is not None:
             self._upload_done.synchronize()
         else:
+            # torch creates the CUDA event at its first record; the module records it from then on.
             self._upload_done = torch.cuda.Event()
+            self._upload_done.record(torch.cuda.current_stream(self._device))
         if self._host_image.numel() < size:
             self._host_image = torch.empty(size, dtype=torch.int32, pin_memory=True)
-            self._views = None
         if self._int_workspace.numel() < size:
             if self._graph and self._int_workspace.numel() > 0:
                 raise ValueError("plan(): a CUDA-graph wrapper cannot grow its plan buffer; keep batch size and "
                                  "heads fixed across plans")
             self._int_workspace = torch.empty(size, dtype=torch.int32, device=self._device)
-            self._views = None
-        return self._host_image, self._int_workspace
-
-    def _image_views(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `size` entries of the host and device images, sliced once per size."""
-        if self._views is None or self._views[0] != size:
-            self._views = (size, self._host_image[:size], self._int_workspace[:size])
-        return self._views[1], self._views[2]
+        return self._host_image.data_ptr(), self._int_workspace.data_ptr()
 
     def _set_scales(self, q_scale: float, k_scale: float) -> None:
         plan = self._plan
