@@ -22,10 +22,9 @@ def to_dtype(value, argument: str, *, allow_none: bool = False) -> DType | None:
     if value is None and allow_none:
         return None
     if isinstance(value, torch.dtype):
-        name = str(value).removeprefix("torch.")
-        for member in DType:
-            if member.torch_name == name:
-                return member
+        member = _BY_TORCH_DTYPE.get(value)
+        if member is not None:
+            return member
         raise ValueError(f"{argument}: {value} is not an attention dtype; expected one of "
                          f"{', '.join('torch.' + m.torch_name for m in DType)}")
     if isinstance(value, str):
@@ -38,6 +37,10 @@ def to_dtype(value, argument: str, *, allow_none: bool = False) -> DType | None:
 
 def torch_dtype(dtype: DType) -> torch.dtype:
     return getattr(torch, dtype.torch_name)
+
+
+# plan() resolves its dtype arguments every serving step: a dict lookup, not a scan of DType.
+_BY_TORCH_DTYPE = {torch_dtype(member): member for member in DType}
 
 
 @functools.cache
