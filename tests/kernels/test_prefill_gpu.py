@@ -283,3 +283,52 @@ def test_single_prefill_matches_reference():
     o_ref, lse_ref = reference.single_prefill(q, k, v, causal=True)
     torch.testing.assert_close(out.float(), o_ref.float(), **O_TOL[torch.bfloat16])
     torch.testing.assert_close(lse, lse_ref, **LSE_TOL)
+
+
+@gpu_settings(max_examples=6)
+@given(cases(PLAIN[:1], max_batch=6, max_qo=300, token_budget=6000), st.data())
+def test_cuda_graph_replays_after_replan(case, data):
+    """Capture run() once (ragged), then re-plan with other lengths (same batch size, no more
+    query tokens) and replay: plan() may only change buffer contents, never what was captured."""
+    case.paged, case.layout = False, "NHD"
+    batch_size = len(case.qo_lens)
+    qo2 = [data.draw(st.integers(1 if case.causal else 0, q), label=f"qo_len {i} of the second plan")
+           for i, q in enumerate(case.qo_lens)]
+    kv2 = [data.draw(st.integers(max(q, 1), kv), label=f"kv_len {i} of the second plan")
+           for i, (q, kv) in enumerate(zip(qo2, case.kv_lens))]
+    second = Case(**{**case.__dict__, "qo_lens": qo2, "kv_lens": kv2, "seed": case.seed + 1})
+    note(f"{case!r}\nsecond plan: qo_lens={qo2} kv_lens={kv2}")
+    first_batch, second_batch = build(case), build(second)
+    q = first_batch.q.clone()
+    k, v = first_batch.k.clone(), first_batch.v.clone()
+    out = torch.empty(q.shape[0], case.num_qo_heads, case.module.head_dim_vo, dtype=q.dtype, device=DEVICE)
+    lse = torch.empty(out.shape[:2], dtype=torch.float32, device=DEVICE)
+    wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE),
+                                                             use_cuda_graph=True)
+
+    def plan(c: Case, b: Batch) -> None:
+        wrapper.plan(b.qo_indptr, b.kv_indptr, c.num_qo_heads, c.num_kv_heads, c.module.head_dim_qk,
+                     causal=c.causal, q_data_type=c.module.dtype)
+
+    plan(case, first_batch)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+
+    for c, b in ((case, first_batch), (second, second_batch)):
+        if b is not first_batch:
+            plan(c, b)
+        rows, kv_rows = b.q.shape[0], b.k.shape[0]
+        q[:rows].copy_(b.q)
+        k[:kv_rows].copy_(b.k)
+        v[:kv_rows].copy_(b.v)
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(c, out[:rows], lse[:rows], *run_reference(c, b))
