@@ -327,8 +327,10 @@ struct KeyMask {
 
 // Online softmax over one tile of scores (rowcol view), in place: scores become 2^(s*scale - m).
 // m is kept in the base-2 scaled domain; d is this lane's partial sum until the final quad reduce.
-template <typename TensorS, typename TensorO>
-__device__ __forceinline__ void online_softmax(TensorS& s, TensorO& o, float (&m)[2], float (&d)[2], float scale) {
+// Returns in `alpha` the factor the rows' o must be multiplied by (the caller does it once the
+// P.V wgmma still reading o has finished).
+template <typename TensorS>
+__device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], float scale, float (&alpha)[2]) {
   using namespace cute;
   static_assert(decltype(size<0>(s))::value == 2, "fa3: two rows per thread");
 #pragma unroll
@@ -340,11 +342,9 @@ __device__ __forceinline__ void online_softmax(TensorS& s, TensorO& o, float (&m
     const float m_new = fmaxf(m[r], tile_max * scale);
     // -inf: nothing visible yet; measure from 0 so 2^(s - m) stays 0 rather than NaN.
     const float m_safe = m_new == common::kNegInf ? 0.f : m_new;
-    const float alpha = common::fast_exp2(m[r] - m_safe);
+    alpha[r] = common::fast_exp2(m[r] - m_safe);
     m[r] = m_new;
-    d[r] *= alpha;
-#pragma unroll
-    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= alpha;
+    d[r] *= alpha[r];
     const float neg_m = -m_safe;
 #pragma unroll
     for (int c = 0; c < size<1>(s); ++c) {
@@ -352,6 +352,36 @@ __device__ __forceinline__ void online_softmax(TensorS& s, TensorO& o, float (&m
       d[r] += s(r, c);
     }
   }
+}
+
+template <typename TensorO>
+__device__ __forceinline__ void rescale_rows(TensorO& o, const float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int c = 0; c < cute::size<1>(o); ++c) o(r, c) *= alpha[r];
+  }
+}
+
+// The fp32 accumulator's per-thread order equals the 16-bit A operand's ((2, 2, 2), 1, N/16):
+// pairs of columns, row halves, then 8-column blocks. So P is S converted in place, two at a time.
+template <typename T, typename TensorS, typename TensorP>
+__device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag) {
+  static_assert(decltype(cute::size(p_frag))::value == decltype(cute::size(s_acc))::value, "fa3: P and S fragments differ");
+  auto words = cute::recast<uint32_t>(p_frag);
+#pragma unroll
+  for (int i = 0; i < cute::size(words); ++i) words(i) = common::pack2<typename T::DTypeKV>(s_acc(2 * i), s_acc(2 * i + 1));
+}
+
+// Pingpong: the two consumer warpgroups take turns issuing their wgmma batches, so one's GEMMs
+// run while the other does its softmax. Warpgroup w waits on barrier kBarrierScheduler + w; the
+// other warpgroup's issue arrives on it.
+constexpr int kBarrierScheduler = 2;  // ids 2 and 3
+__device__ __forceinline__ void scheduler_wait(int wg) {
+  cutlass::arch::NamedBarrier::sync(256, kBarrierScheduler + wg);
+}
+__device__ __forceinline__ void scheduler_pass(int wg) {
+  cutlass::arch::NamedBarrier::arrive(256, kBarrierScheduler + (1 - wg));
 }
 
 // Normalize and store the thread's rows: o/lse directly, or the fp32 partial slot of the chunk.
@@ -449,54 +479,84 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   KeyMask<T> mask{w.end, w.pos_shift, p.window_left, w.first_token + w.pos_shift, w.last_token + w.pos_shift,
                   p.causal != 0};
 
-  const int num_tiles = num_kv_tiles(w, T::kBlockN);
-  if (num_tiles > 0) {
-    Barrier::wait(&smem.q_full, 0);
-    cutlass::arch::fence_view_async_shared();  // cp.async wrote Q through the generic proxy
-  }
-  for (int n = 0; n < num_tiles; ++n) {
-    const int stage = n % T::kStages;
-    const uint32_t phase = (n / T::kStages) & 1;
-    const int first = w.begin + n * T::kBlockN;
-
-    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
-    Barrier::wait(&smem.k_full[stage], phase);
-    cutlass::arch::fence_view_async_shared();
-    warpgroup_fence_operand(tSrS);
+  const int wg = ctid / 128;
+  auto issue_qk = [&](auto& s_acc, int stage) {
+    warpgroup_fence_operand(s_acc);
     warpgroup_arrive();
     mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
 #pragma unroll
     for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-      gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), tSrS);
+      gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), s_acc);
       mma_qk.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tSrS);
-    Barrier::arrive(&smem.k_empty[stage]);
-
-    Tensor s = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
-    const float scale = transform_scores<T>(p, mask, mask.tile_needs_mask(first), first, q_pos, s, s_coord);
-    online_softmax(s, o, m, d, scale);
-
-    // The fp32 accumulator's per-thread order equals the 16-bit A operand's ((2, 2, 2), 1, N/16):
-    // pairs of columns, row halves, then 8-column blocks. Convert in place, two at a time.
-    Tensor tOrP = make_tensor<Element>(Shape<Shape<_2, _2, _2>, _1, Int<T::kBlockN / 16>>{});
-    static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value, "fa3: P and S fragments differ");
-    auto p_words = recast<uint32_t>(tOrP);
-#pragma unroll
-    for (int i = 0; i < size(p_words); ++i) p_words(i) = common::pack2<typename T::DTypeKV>(tSrS(2 * i), tSrS(2 * i + 1));
-
-    Barrier::wait(&smem.v_full[stage], phase);
-    cutlass::arch::fence_view_async_shared();
+  };
+  auto issue_pv = [&](auto& p_frag, int stage) {
     warpgroup_fence_operand(tOrO);
     warpgroup_arrive();
 #pragma unroll
-    for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_pv, tOrP(_, _, kb), tOrV(_, _, kb, stage), tOrO);
+    for (int kb = 0; kb < size<2>(p_frag); ++kb) gemm(mma_pv, p_frag(_, _, kb), tOrV(_, _, kb, stage), tOrO);
     warpgroup_commit_batch();
+  };
+  auto wait_full = [&](uint64_t* bar, uint32_t phase) {
+    Barrier::wait(bar, phase);
+    cutlass::arch::fence_view_async_shared();  // cp.async wrote the tile through the generic proxy
+  };
+  // Scale, mask and softmax tile n's scores in place; returns o's rescale factors in alpha.
+  auto softmax_tile = [&](auto& s_acc, int n, float (&alpha)[2]) {
+    const int first = w.begin + n * T::kBlockN;
+    Tensor s = make_tensor(s_acc.data(), rowcol(s_acc.layout()));
+    const float scale = transform_scores<T>(p, mask, mask.tile_needs_mask(first), first, q_pos, s, s_coord);
+    online_softmax(s, m, d, scale, alpha);
+  };
+
+  // Software pipeline (FA3 intra-warpgroup overlap): iteration n issues S_n = Q K_n^T and
+  // O += P_{n-1} V_{n-1} together, runs the softmax of S_n while the P.V wgmma is in flight, and
+  // only then rescales O. Stage of tile n: n % 2; its barriers' phase: (n / 2) & 1.
+  const int num_tiles = num_kv_tiles(w, T::kBlockN);
+  if (num_tiles > 0) {
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
+    Tensor tOrP = make_tensor<Element>(Shape<Shape<_2, _2, _2>, _1, Int<T::kBlockN / 16>>{});
+    float alpha[2];
+    if (wg == 1) scheduler_pass(wg);  // warpgroup 0 issues first
+    Barrier::wait(&smem.q_full, 0);
+    wait_full(&smem.k_full[0], 0);
+    scheduler_wait(wg);
+    issue_qk(tSrS, 0);
+    scheduler_pass(wg);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    Barrier::arrive(&smem.k_empty[0]);
+    softmax_tile(tSrS, 0, alpha);  // o is still zero: no rescale
+    convert_p<T>(tSrS, tOrP);
+
+    for (int n = 1; n < num_tiles; ++n) {
+      const int stage = n % T::kStages, prev = (n - 1) % T::kStages;
+      wait_full(&smem.k_full[stage], (n / T::kStages) & 1);
+      wait_full(&smem.v_full[prev], ((n - 1) / T::kStages) & 1);
+      scheduler_wait(wg);
+      issue_qk(tSrS, stage);
+      issue_pv(tOrP, prev);
+      scheduler_pass(wg);
+      warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
+      warpgroup_fence_operand(tSrS);
+      Barrier::arrive(&smem.k_empty[stage]);
+      softmax_tile(tSrS, n, alpha);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      Barrier::arrive(&smem.v_empty[prev]);
+      rescale_rows(o, alpha);
+      convert_p<T>(tSrS, tOrP);
+    }
+
+    const int last = (num_tiles - 1) % T::kStages;
+    wait_full(&smem.v_full[last], ((num_tiles - 1) / T::kStages) & 1);
+    scheduler_wait(wg);
+    issue_pv(tOrP, last);
+    if (wg == 0) scheduler_pass(wg);  // warpgroup 1's opening pass already balanced the count
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    Barrier::arrive(&smem.v_empty[stage]);
+    Barrier::arrive(&smem.v_empty[last]);
   }
 
 #pragma unroll
