@@ -79,7 +79,13 @@ struct PrefillTraits {
   // Q + 2 stages of K and V must fit 227 KB: 128-token tiles up to (192, 128) head dims (208 KB),
   // 64-token tiles for (256, 256) (192 KB).
   static constexpr int kBlockN = kHeadDimQK + kHeadDimVO <= 320 ? 128 : 64;
-  static constexpr int kStages = 2;
+  // A third K/V stage where it fits (ragged hd <= 128: no page table), since the cp.async gather
+  // has longer latency than TMA; the fixed bytes are the Q tile, the page table, the slack for
+  // aligning the base and the barriers.
+  static constexpr int kQBytes = kBlockM * kHeadDimQK * 2;
+  static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * 2;
+  static constexpr int kTableBytes = kPagedKV ? 3 * kBlockN * 16 : 0;
+  static constexpr int kStages = kQBytes + 3 * kStageBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
@@ -115,7 +121,8 @@ struct PrefillTraits {
     alignas(1024) Element q[kBlockM * kHeadDimQK];  // swizzle atoms are 1024 bytes
     alignas(1024) Element k[kStages * kBlockN * kHeadDimQK];
     alignas(1024) Element v[kStages * kBlockN * kHeadDimVO];
-    int64_t kv_rows[kStages][kBlockN][2];  // paged: global offsets of each tile row in K and in V (-1 past end)
+    // paged: global offsets of each tile row in K and in V (-1 past end); ragged needs none
+    int64_t kv_rows[kPagedKV ? kStages : 0][kBlockN][2];
     uint64_t q_full;
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
   };
@@ -263,8 +270,8 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const t
     const int stage = n % T::kStages;
     const uint32_t free_phase = ((n / T::kStages) & 1) ^ 1;  // a fresh barrier counts as released
     const int first = w.begin + n * T::kBlockN;
-    // Table slot `stage` was last read for tile n - 2; every producer thread has passed tile
-    // n - 1's barrier since, so it is free.
+    // Table slot `stage` was last read for tile n - kStages; every producer thread has passed
+    // tile n - 1's barrier since, so it is free.
     if constexpr (T::kPagedKV) {
       fill_page_table<T>(smem.kv_rows[stage], p, page_ids, page_size, first, w.end, tid, bad_page);
       cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
