@@ -19,7 +19,7 @@ import jinja2
 from . import abi
 from .rules import ensure_valid
 from .sources import source_hash, templates_dir
-from .spec import KernelSpec, Kind, PosEncoding
+from .spec import Backend, KernelSpec, Kind, PosEncoding
 
 # Query heads per CTA the decode kernel is compiled for; any group size is served by tiling it.
 DECODE_HEADS_PER_CTA = (1, 2, 4, 8)
@@ -28,9 +28,16 @@ PREFILL_CTA_TILES = (16, 64, 128)
 METADATA = "metadata.json"
 
 
-def prefill_cta_tiles(head_dim_qk: int) -> tuple[int, ...]:
-    """The prefill tiles compiled for a head dim: 128-row tiles need too many registers at 256."""
-    return PREFILL_CTA_TILES if head_dim_qk < 256 else PREFILL_CTA_TILES[:-1]
+# The FA3 kernel has one tile: two consumer warpgroups of 64 rows.
+FA3_CTA_TILE = 128
+
+
+def prefill_cta_tiles(spec: KernelSpec) -> tuple[int, ...]:
+    """The prefill tiles a module compiles: FA3 has one; FA2 drops the 128-row tile at head dim 256,
+    where its accumulators would not fit the registers."""
+    if spec.backend is Backend.FA3:
+        return (FA3_CTA_TILE,)
+    return PREFILL_CTA_TILES if spec.head_dim_qk < 256 else PREFILL_CTA_TILES[:-1]
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ def module_layout(spec: KernelSpec) -> ModuleLayout:
             variants=tuple(Variant(f"decode_h{h}", "decode_variant.cu.jinja", (("heads", h),))
                            for h in DECODE_HEADS_PER_CTA),
         )
+    variant_suffix = "_fa3" if spec.backend is Backend.FA3 else ""
     return ModuleLayout(
         params_struct="PrefillParams",
         structs=abi.PREFILL_STRUCTS,
@@ -79,8 +87,9 @@ def module_layout(spec: KernelSpec) -> ModuleLayout:
              "ctypes.c_int32"),
             ("prefill_run", "[ctypes.POINTER(PrefillParams), ctypes.c_void_p]", "ctypes.c_int32"),
         ),
-        variants=tuple(Variant(f"prefill_q{tile}_{kv}", "prefill_variant.cu.jinja", (("tile", tile), ("paged", kv == "paged")))
-                       for tile in prefill_cta_tiles(spec.head_dim_qk) for kv in ("paged", "ragged")),
+        variants=tuple(Variant(f"prefill_q{tile}_{kv}", f"prefill_variant{variant_suffix}.cu.jinja",
+                               (("tile", tile), ("paged", kv == "paged")))
+                       for tile in prefill_cta_tiles(spec) for kv in ("paged", "ragged")),
     )
 
 
@@ -128,7 +137,8 @@ def template_context(spec: KernelSpec, layout: ModuleLayout) -> dict:
         "variants": layout.variants,
         "plan_header": abi.PLAN_HEADER,
         "heads_per_cta": DECODE_HEADS_PER_CTA,
-        "cta_tiles": prefill_cta_tiles(spec.head_dim_qk),
+        "cta_tiles": prefill_cta_tiles(spec),
+        "backend": spec.backend.value,
     }
 
 

@@ -173,10 +173,10 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.kind is Kind.DECODE and s.dtype_kv.is_fp8,
     ),
     Rule(
-        "fa3-not-built",
-        "fa3 kernels are not part of this version",
-        "use backend fa2 (runs on sm80+, Hopper included)",
-        lambda s: _fa3(s),
+        "fa3-fp8-not-built",
+        "the fa3 kernels of this version take bf16/fp16 q and kv; q is {s.dtype_q.short}, kv {s.dtype_kv.short}",
+        "use a bf16/fp16 query and KV cache with fa3",
+        lambda s: _fa3(s) and (s.dtype_q.is_fp8 or s.dtype_kv.is_fp8),
     ),
     Rule(
         "prefill-fp8-kv-not-built",

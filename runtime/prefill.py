@@ -18,7 +18,8 @@ import torch
 
 from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
 from attnforge.codegen.dtypes import DType
-from attnforge.codegen.spec import PosEncoding
+from attnforge.codegen.render import FA3_CTA_TILE
+from attnforge.codegen.spec import Backend, PosEncoding
 
 from . import checks, dispatch, kv_cache
 from .loader import Module, load
@@ -170,7 +171,8 @@ class _BatchPrefillWrapper:
                 raise ValueError(f"qo_indptr: this CUDA-graph wrapper was planned for batch_size={self._graph_shape[0]} "
                                  f"and at most {self._graph_shape[1]} query tokens, got {batch_size} and {total_q}")
         rows = self._graph_shape[1] if self._graph else total_q
-        tile = cta_tile_q(packed_len_estimate(rows, batch_size, group, self._graph), head_dim_qk)
+        fixed_tile = FA3_CTA_TILE if module.spec.backend is Backend.FA3 else 0
+        tile = fixed_tile or cta_tile_q(packed_len_estimate(rows, batch_size, group, self._graph), head_dim_qk)
         max_ctas = _max_ctas(module, tile, self._paged, device_index)
         kv_page = page_size if self._paged else 1
         fixed_tokens = _split_tokens(fixed_split_size, kv_page)
@@ -190,7 +192,8 @@ class _BatchPrefillWrapper:
             last_page_len=last_page_len.data_ptr() if self._paged else None, image=image.data_ptr(),
             batch_size=batch_size, paged=int(self._paged), page_size=kv_page,
             num_indices=indices.numel() if self._paged else int(kv_indptr[-1]), num_kv_heads=num_kv_heads,
-            group_size=group, head_dim_qk=head_dim_qk, max_ctas=max_ctas, causal=int(bool(causal)),
+            group_size=group, head_dim_qk=head_dim_qk, fixed_cta_tile_q=fixed_tile, max_ctas=max_ctas,
+            causal=int(bool(causal)),
             window_left=window_left, fixed_split_tokens=fixed_tokens, disable_split_kv=int(bool(disable_split_kv)),
             min_chunk_tokens=MIN_CHUNK_TOKENS, cuda_graph=int(self._graph), work_capacity=capacity,
             row_capacity=rows, **{name: value for name, value in offsets.items() if name != "off_mask_indptr"})

@@ -137,6 +137,7 @@ def plan_prefill_oracle(
     disable_split_kv: bool = False,
     min_chunk_tokens: int = MIN_CHUNK_TOKENS,
     cuda_graph: bool = False,
+    fixed_cta_tile_q: int = 0,
     layout: PrefillPlanLayout,
 ) -> PrefillPlanResult:
     """Reference implementation of host/prefill_plan.h (see its contract). last_page_len None
@@ -153,7 +154,7 @@ def plan_prefill_oracle(
 
     total_rows = qo_indptr[batch]
     estimate = packed_len_estimate(layout.row_capacity if cuda_graph else total_rows, batch, g, cuda_graph)
-    tile_rows = cta_tile_q(estimate, head_dim_qk)
+    tile_rows = fixed_cta_tile_q if fixed_cta_tile_q > 0 else cta_tile_q(estimate, head_dim_qk)
 
     qo_lens, kv_lens, kv_los, tiles = [], [], [], []
     rows_without_keys = 0

@@ -35,7 +35,7 @@ EXAMPLES = {
     "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
     "decode-no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
     "decode-fp8-kv-not-built": dict(dtype_kv=DType.E5M2),
-    "fa3-not-built": dict(FA3),
+    "fa3-fp8-not-built": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3),
     "prefill-fp8-kv-not-built": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3),
     "prefill-no-fp16-qk-reduction": dict(kind=Kind.PREFILL, dtype_q=DType.FP16, dtype_kv=DType.FP16,
                                          fp16_qk_reduction=True),

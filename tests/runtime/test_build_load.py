@@ -11,6 +11,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +37,8 @@ def prefill_spec(archs) -> KernelSpec:
 
 
 SPECS = {"sm80": decode_spec((Arch.SM80,)), "sm90a": decode_spec((Arch.SM90A,)),
-         "prefill_sm80": prefill_spec((Arch.SM80,)), "prefill_sm90a": prefill_spec((Arch.SM90A,))}
+         "prefill_sm80": prefill_spec((Arch.SM80,)), "prefill_sm90a": prefill_spec((Arch.SM90A,)),
+         "fa3_sm90a": replace(prefill_spec((Arch.SM90A,)), backend=Backend.FA3)}
 
 
 class _Records(logging.Handler):
@@ -203,3 +207,29 @@ def test_two_processes_build_once(tmp_path):
     objects = [name for name in outputs_built if name.endswith(".o")]
     assert objects and len(objects) == len(set(objects)), outputs_built
     assert sorted(objects) == sorted(p.name + ".o" for p in (folder / "src").glob("*.cu"))
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from the CUDA install, else from the nvidia-cuda-cuobjdump wheel (test extra)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        files = metadata.files("nvidia-cuda-cuobjdump") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name == "cuobjdump":
+            return str(Path(file.locate()))
+    return None
+
+
+def test_fa3_module_sass_holds_hgmma(built):
+    """The fa3 kernels issue wgmma (HGMMA in SASS): a build that fell back to anything else would
+    pass every functional test at a fraction of the speed."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (install the test extra nvidia-cuda-cuobjdump)")
+    module, _ = built["fa3_sm90a"]
+    sass = subprocess.run([tool, "-sass", str(module.path)], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA" in sass

@@ -75,11 +75,14 @@ def batches(draw, max_batch: int = 16, graph: bool | None = None):
         fixed_split_tokens=draw(st.integers(16, 2048)) if fixed is None else 0,
         disable_split_kv=draw(st.booleans()),
         cuda_graph=cuda_graph,
+        fixed_cta_tile_q=draw(st.sampled_from([0, 0, 0, 128])),
         row_capacity=qo_indptr[-1] + (draw(st.integers(0, 64)) if cuda_graph else 0),
     )
 
 
 def tile_of(b: dict) -> int:
+    if b.get("fixed_cta_tile_q"):
+        return b["fixed_cta_tile_q"]
     rows = b["row_capacity"] if b["cuda_graph"] else b["qo_indptr"][-1]
     return cta_tile_q(packed_len_estimate(rows, len(b["qo_lens"]), b["group_size"], b["cuda_graph"]), b["head_dim_qk"])
 
@@ -95,7 +98,7 @@ def layout_for(b: dict) -> PrefillPlanLayout:
 
 
 ORACLE_KEYS = ("page_size", "num_indices", "num_kv_heads", "group_size", "head_dim_qk", "max_ctas", "causal",
-               "window_left", "fixed_split_tokens", "disable_split_kv", "cuda_graph")
+               "window_left", "fixed_split_tokens", "disable_split_kv", "cuda_graph", "fixed_cta_tile_q")
 
 
 def oracle(b: dict, layout: PrefillPlanLayout | None = None):
@@ -236,7 +239,7 @@ def graph_pairs(draw):
         qo_indptr.append(qo_indptr[-1] + qo)
     rows = max(first["qo_indptr"][-1], qo_indptr[-1]) + draw(st.integers(0, 64))
     static = {k: first[k] for k in ("num_kv_heads", "group_size", "head_dim_qk", "max_ctas", "causal", "window_left",
-                                    "disable_split_kv", "page_size")}
+                                    "disable_split_kv", "page_size", "fixed_cta_tile_q")}
     second = {**second, **static, "qo_lens": second_qo, "kv_lens": second_kv, "qo_indptr": qo_indptr,
               "kv_indptr": kv_indptr, "last_page_len": last, "num_indices": kv_indptr[-1]}
     return [{**one, "row_capacity": rows, "fixed_split_tokens": 0} for one in (first, second)]
@@ -295,6 +298,7 @@ def test_oracle_refuses_bad_host_arrays_naming_the_argument(b, draw_index):
 CAPACITY_CASE = dict(qo_lens=[512], kv_lens=[4096], qo_indptr=[0, 512], kv_indptr=[0, 4096], last_page_len=None,
                      page_size=1, num_indices=4096, num_kv_heads=1, group_size=1, head_dim_qk=128, max_ctas=132,
                      causal=False, window_left=-1, fixed_split_tokens=64, disable_split_kv=False, cuda_graph=False,
+                     fixed_cta_tile_q=0,
                      row_capacity=512)
 
 

@@ -1,0 +1,643 @@
+// Role: FA3 batch prefill for Hopper (sm_90a): a producer warpgroup gathers K/V with cp.async into
+//   a 2-stage shared-memory ring, two consumer warpgroups run wgmma (QK^T SS, PV RS) and the
+//   online softmax in registers. Paged or ragged KV.
+//
+// Contract (/work/prefill-contract.md), the same plan image and params as fa2/prefill.cuh:
+//   grid = (work_capacity, num_kv_heads); block = 384 threads (warpgroup 0 produces, 1 and 2
+//   consume). A CTA takes one planned work item (request, q tile, kv token range [begin, end)) for
+//   one kv head. Its kBlockM = 128 rows are packed (token, head-in-group) rows: row p -> token
+//   p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
+//   Q: the producer copies the tile once (cp.async; packed GQA rows are no TMA box) and arrives
+//   on q_full. K/V: for each kBlockN-token tile the producer waits for the stage's `empty`
+//   mbarrier, issues 16-byte cp.async copies (zero-filled past `end`; paged rows through a per-tile
+//   table of page offsets) and arms the stage's `full` mbarrier with cp.async.mbarrier.arrive, so
+//   consumers wait for the bytes themselves, not for the producer.
+//   Scores live in the base-2 domain: max and sum use s * sm_scale_log2, folded into the exp2
+//   FFMA (soft cap: s = soft_cap_log2 * tanh(s * sm_scale_log2), then a unit scale).
+//   Causal / window: [begin, end) is narrowed to the keys some row sees, so tiles past the
+//   diagonal are never loaded; only tiles that straddle a boundary are masked per element.
+//   Output: o (+ lse, base 2) or, when work_partial >= 0, fp32 partial rows at slot
+//   work_partial + token * num_chunks[request]. A row that sees no key: o = 0, lse = -inf. A page
+//   id outside [0, num_pages) is never read (page 0 is), the CTA's rows come out NaN and the plan's
+//   error word gets kPlanErrorBadPage.
+//
+// Must not: decide scheduling (the plan did) or run on anything but sm_90a (wgmma, setmaxnreg).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include "../common/async_copy.cuh"
+#include "../common/math.cuh"
+#include "../common/mma.cuh"
+#include "../common/plan_image.cuh"
+#include "../common/vec.cuh"
+
+namespace attnforge::fa3 {
+
+template <typename T>
+struct CuteElement {
+  static_assert(sizeof(T) == 0, "fa3 prefill dtypes: half or __nv_bfloat16 only");
+};
+template <>
+struct CuteElement<half> {
+  using type = cutlass::half_t;
+};
+template <>
+struct CuteElement<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+
+template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
+          bool kPagedKV_, bool kSoftCap_, bool kSlidingWindow_>
+struct PrefillTraits {
+  using Params = Params_;
+  using DTypeQ = DTypeQ_;
+  using DTypeKV = DTypeKV_;
+  using DTypeO = DTypeO_;
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr int kHeadDimVO = kHeadDimVO_;
+  static constexpr bool kPagedKV = kPagedKV_;
+  static constexpr bool kSoftCap = kSoftCap_;
+  static constexpr bool kSlidingWindow = kSlidingWindow_;
+
+  static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one 16-bit type");
+  static_assert(sizeof(DTypeKV) == 2 && sizeof(DTypeO) == 2, "fa3 prefill dtypes: half or bf16 only");
+  static_assert(kHeadDimQK % 64 == 0 && kHeadDimVO % 64 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
+                "fa3 prefill head dims: multiples of 64 up to 256 (rows fill whole 128-byte swizzle lines)");
+
+  using Element = typename CuteElement<DTypeKV>::type;
+
+  static constexpr int kBlockM = 128;  // 2 consumer warpgroups x the 64 rows of one wgmma
+  // Q + 2 stages of K and V must fit 227 KB: 128-token tiles up to (192, 128) head dims (208 KB),
+  // 64-token tiles for (256, 256) (192 KB).
+  static constexpr int kBlockN = kHeadDimQK + kHeadDimVO <= 320 ? 128 : 64;
+  // A third K/V stage where it fits (ragged hd <= 128: no page table), since the cp.async gather
+  // has longer latency than TMA; the fixed bytes are the Q tile, the page table, the slack for
+  // aligning the base and the barriers.
+  static constexpr int kQBytes = kBlockM * kHeadDimQK * 2;
+  static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * 2;
+  static constexpr int kTableBytes = kPagedKV ? 3 * kBlockN * 16 : 0;
+  static constexpr int kStages = kQBytes + 3 * kStageBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  // cp.async producers need address registers; 128 x (40 + 2 x 232) = 64.5K fits the register file.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per Q/K row
+  static constexpr int kCellsVO = kHeadDimVO / 8;
+
+  // K-major 128B-swizzled tiles for Q and K; V keeps its natural [kv, d] rows, which the PV wgmma
+  // reads as an MN-major B operand (16-bit types may be transposed by the descriptor).
+  using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimQK>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimQK>, cute::Int<kStages>>{}));
+  using SmemLayoutVt = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<kHeadDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{}));
+
+  // One 64-row wgmma per consumer warpgroup, the two stacked along M.
+  using TiledMmaQK = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDimQK>>>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using TiledMmaPV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDimVO>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+
+  struct SharedStorage {
+    alignas(1024) Element q[kBlockM * kHeadDimQK];  // swizzle atoms are 1024 bytes
+    alignas(1024) Element k[kStages * kBlockN * kHeadDimQK];
+    alignas(1024) Element v[kStages * kBlockN * kHeadDimVO];
+    // paged: global offsets of each tile row in K and in V (-1 past end); ragged needs none
+    int64_t kv_rows[kPagedKV ? kStages : 0][kBlockN][2];
+    uint64_t q_full;
+    uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+  };
+  // The dynamic window is only 16-byte aligned: room to round the base up to 1024.
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "fa3 prefill smem: Q + 2 stages of K and V exceed 227 KB");
+};
+
+// Named barrier ids (0 is __syncthreads).
+constexpr int kBarrierProducer = 1;  // the producer warpgroup's paged-offset table is written
+
+// The CTA's share of one work item, as both roles derive it from the plan.
+struct WorkTile {
+  int request, qo_begin, qo_len, kv_len;
+  int row_begin, rows;      // packed rows [row_begin, row_begin + rows) of the request
+  int pos_shift;            // q_pos = token + pos_shift (bottom-right aligned)
+  int first_token, last_token;
+  int begin, end;           // kv tokens, narrowed to what some row can see
+  int slot;                 // first partial slot, -1: write o directly
+};
+
+template <typename T>
+__device__ __forceinline__ WorkTile load_work_tile(const typename T::Params& p, const int32_t* plan, int work,
+                                                   const common::FastDivmod& group) {
+  WorkTile w;
+  w.request = plan[p.off_work_request + work];
+  w.qo_begin = plan[p.off_qo_indptr + w.request];
+  w.qo_len = plan[p.off_qo_indptr + w.request + 1] - w.qo_begin;
+  w.kv_len = plan[p.off_kv_len + w.request];
+  w.row_begin = plan[p.off_work_qo_tile + work] * T::kBlockM;
+  w.rows = min(T::kBlockM, w.qo_len * p.group_size - w.row_begin);
+  w.pos_shift = w.kv_len - w.qo_len;
+  w.first_token = group.div(w.row_begin);
+  w.last_token = group.div(w.row_begin + max(w.rows, 1) - 1);
+  w.begin = plan[p.off_work_kv_begin + work];
+  w.end = plan[p.off_work_kv_end + work];
+  if (p.causal) w.end = min(w.end, w.last_token + w.pos_shift + 1);
+  if constexpr (T::kSlidingWindow) {
+    if (p.window_left >= 0) w.begin = max(w.begin, w.first_token + w.pos_shift - p.window_left);
+  }
+  w.slot = plan[p.off_work_partial + work];
+  return w;
+}
+
+__device__ __forceinline__ int num_kv_tiles(const WorkTile& w, int block_n) {
+  return w.end > w.begin ? (w.end - w.begin + block_n - 1) / block_n : 0;
+}
+
+// Byte offset of element `coord` in a GMMA smem layout: the linear offset, then the 128B swizzle
+// (which acts on byte addresses; the tiles sit 1024-byte aligned).
+template <typename Layout, typename Element, typename... Coord>
+__device__ __forceinline__ uint32_t swizzled_offset(Coord... coord) {
+  const uint32_t linear = uint32_t(sizeof(Element)) * uint32_t(cute::get_nonswizzle_portion(Layout{})(coord...));
+  return cute::get_swizzle_portion(Layout{})(linear);
+}
+
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(common::smem_addr(bar)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer warpgroup
+
+// Q tile: kBlockM packed rows, zeros past the request.
+template <typename T>
+__device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, const typename T::Params& p,
+                                            const WorkTile& w, const common::FastDivmod& group, int kv_head, int tid) {
+  using DTypeQ = typename T::DTypeQ;
+  auto* base = reinterpret_cast<uint8_t*>(smem.q);
+  for (int idx = tid; idx < T::kBlockM * T::kCellsQK; idx += T::kProducerThreads) {
+    const int row = idx / T::kCellsQK, cell = idx % T::kCellsQK;
+    const bool valid = row < w.rows;
+    const DTypeQ* src = static_cast<const DTypeQ*>(p.q);
+    if (valid) {
+      int token, head_in_group;
+      group.divmod(w.row_begin + row, token, head_in_group);
+      src += int64_t(w.qo_begin + token) * p.q_stride_n + int64_t(kv_head * p.group_size + head_in_group) * p.q_stride_h +
+             cell * 8;
+    }
+    common::cp_async_16(base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(row, cell * 8), src, valid);
+  }
+}
+
+// Paged KV: thread `row` looks its token's page up once per tile for both K and V; a bad page id
+// reads page 0 and raises `bad_page`.
+template <typename T>
+__device__ __forceinline__ void fill_page_table(int64_t (*table)[2], const typename T::Params& p, const int32_t* page_ids,
+                                                const common::FastDivmod& page_size, int first, int end, int tid,
+                                                bool& bad_page) {
+  if (tid >= T::kBlockN) return;
+  const int token = first + tid;
+  int64_t k_off = -1, v_off = -1;
+  if (token < end) {
+    int page_index, in_page;
+    page_size.divmod(token, page_index, in_page);
+    const int page = __ldg(page_ids + page_index);
+    const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
+    bad_page |= !ok;
+    const int64_t safe_page = ok ? page : 0;
+    k_off = safe_page * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
+    v_off = safe_page * p.v_stride_page + int64_t(in_page) * p.v_stride_token;
+  }
+  table[tid][0] = k_off;
+  table[tid][1] = v_off;
+}
+
+// One K or V tile: kBlockN rows of kCells 16-byte cells, row offsets from `row_offset(row)` (-1:
+// past the range, zero-filled so P.V never meets garbage), smem position from `smem_offset`.
+// A thread keeps one cell and walks rows kRowsPerPass apart; when that is a whole number of
+// 8-row swizzle atoms its smem position only moves by a constant, so it is computed once.
+template <typename T, int kCells, typename RowOffset, typename SmemOffset>
+__device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename T::DTypeKV* head_base, int tid,
+                                             RowOffset row_offset, SmemOffset smem_offset) {
+  constexpr int kRowsPerPass = T::kProducerThreads / kCells;
+  constexpr int kCopies = T::kBlockN / kRowsPerPass;
+  static_assert(T::kProducerThreads % kCells == 0 && T::kBlockN % kRowsPerPass == 0,
+                "fa3 kv tile: every producer thread copies alike");
+  const int cell = tid % kCells, row0 = tid / kCells;
+  const uint32_t base = smem_offset(row0, cell);
+  const uint32_t step = smem_offset(kRowsPerPass, 0) - smem_offset(0, 0);
+  // Partly unrolled: fully, the hoisted 64-bit source addresses overflow the producer's 40 registers.
+#pragma unroll 4
+  for (int i = 0; i < kCopies; ++i) {
+    const int row = row0 + i * kRowsPerPass;
+    const int64_t off = row_offset(row);
+    const uint32_t dst = kRowsPerPass % 8 == 0 ? base + i * step : smem_offset(row, cell);
+    common::cp_async_16(smem_base + dst, head_base + max(off, int64_t(0)) + cell * 8, off >= 0);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void produce(typename T::SharedStorage& smem, const typename T::Params& p, const int32_t* plan,
+                                        const WorkTile& w, const common::FastDivmod& group, int kv_head,
+                                        bool& bad_page) {
+  using DTypeKV = typename T::DTypeKV;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  const int tid = threadIdx.x;
+  const int num_tiles = num_kv_tiles(w, T::kBlockN);
+  if (num_tiles == 0) return;  // consumers store zeros without waiting for anything
+
+  load_q_tile<T>(smem, p, w, group, kv_head, tid);
+  cp_async_arrive_noinc(&smem.q_full);
+
+  const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
+  const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.v_stride_head;
+  const int32_t* page_ids = static_cast<const int32_t*>(p.indices) + (T::kPagedKV ? plan[p.off_kv_indptr + w.request] : 0);
+  const int kv_token_base = T::kPagedKV ? 0 : plan[p.off_kv_indptr + w.request];
+  const common::FastDivmod page_size(T::kPagedKV ? p.page_size : 1);
+  auto* k_smem = reinterpret_cast<uint8_t*>(smem.k);
+  auto* v_smem = reinterpret_cast<uint8_t*>(smem.v);
+
+  for (int n = 0; n < num_tiles; ++n) {
+    const int stage = n % T::kStages;
+    const uint32_t free_phase = ((n / T::kStages) & 1) ^ 1;  // a fresh barrier counts as released
+    const int first = w.begin + n * T::kBlockN;
+    // Table slot `stage` was last read for tile n - kStages; every producer thread has passed
+    // tile n - 1's barrier since, so it is free.
+    if constexpr (T::kPagedKV) {
+      fill_page_table<T>(smem.kv_rows[stage], p, page_ids, page_size, first, w.end, tid, bad_page);
+      cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
+    }
+    auto row_offset = [&](int which, int64_t token_stride) {
+      return [&, which, token_stride](int row) -> int64_t {
+        if constexpr (T::kPagedKV) {
+          return smem.kv_rows[stage][row][which];
+        } else {
+          return first + row < w.end ? int64_t(kv_token_base + first + row) * token_stride : int64_t(-1);
+        }
+      };
+    };
+    Barrier::wait(&smem.k_empty[stage], free_phase);
+    load_kv_tile<T, T::kCellsQK>(k_smem, k_head, tid, row_offset(0, p.kv_stride_token), [&](int row, int cell) {
+      return swizzled_offset<typename T::SmemLayoutK, typename T::Element>(row, cell * 8, stage);
+    });
+    cp_async_arrive_noinc(&smem.k_full[stage]);
+    Barrier::wait(&smem.v_empty[stage], free_phase);
+    load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(1, p.v_stride_token), [&](int row, int cell) {
+      return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * 8, row, stage);
+    });
+    cp_async_arrive_noinc(&smem.v_full[stage]);
+  }
+  common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consumer warpgroups
+
+// A wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) viewed as (rows, cols): rows (2, MMA_M),
+// cols (2, N/8, MMA_N). A thread's rows are shared with the 3 other lanes of its quad.
+template <typename Layout>
+__device__ __forceinline__ constexpr auto rowcol(Layout l) {
+  using namespace cute;
+  static_assert(decltype(rank<0>(l))::value == 3, "fa3: expects an sm90 wgmma accumulator layout");
+  auto v = get<0>(l);
+  return make_layout(make_layout(get<1>(v), get<1>(l)), make_layout(get<0>(v), get<2>(v), get<2>(l)));
+}
+
+// Which keys the rows see. Tiles start at `begin`, so only `end`, causality and the window cut.
+template <typename T>
+struct KeyMask {
+  int end, pos_shift, window_left, q_pos_first, q_pos_last;
+  bool causal;
+
+  // Every row sees every key of the tile starting at `first` unless this says otherwise.
+  __device__ __forceinline__ bool tile_needs_mask(int first) const {
+    const int last = first + T::kBlockN - 1;
+    bool needs = last >= end || (causal && last > q_pos_first);
+    if constexpr (T::kSlidingWindow) needs = needs || (window_left >= 0 && first < q_pos_last - window_left);
+    return needs;
+  }
+  __device__ __forceinline__ bool visible(int key, int q_pos) const {
+    bool ok = key < end && (!causal || key <= q_pos);
+    if constexpr (T::kSlidingWindow) ok = ok && (window_left < 0 || key >= q_pos - window_left);
+    return ok;
+  }
+};
+
+// Online softmax over one tile of scores (rowcol view), in place: scores become 2^(s*scale - m).
+// m is kept in the base-2 scaled domain; d is this lane's partial sum until the final quad reduce.
+// Returns in `alpha` the factor the rows' o must be multiplied by (the caller does it once the
+// P.V wgmma still reading o has finished).
+template <typename TensorS>
+__device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], float scale, float (&alpha)[2]) {
+  using namespace cute;
+  static_assert(decltype(size<0>(s))::value == 2, "fa3: two rows per thread");
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float tile_max = common::kNegInf;
+#pragma unroll
+    for (int c = 0; c < size<1>(s); ++c) tile_max = fmaxf(tile_max, s(r, c));
+    tile_max = common::lane_group_max<4>(tile_max);
+    const float m_new = fmaxf(m[r], tile_max * scale);
+    // -inf: nothing visible yet; measure from 0 so 2^(s - m) stays 0 rather than NaN.
+    const float m_safe = m_new == common::kNegInf ? 0.f : m_new;
+    alpha[r] = common::fast_exp2(m[r] - m_safe);
+    m[r] = m_new;
+    d[r] *= alpha[r];
+    const float neg_m = -m_safe;
+#pragma unroll
+    for (int c = 0; c < size<1>(s); ++c) {
+      s(r, c) = common::fast_exp2(fmaf(s(r, c), scale, neg_m));
+      d[r] += s(r, c);
+    }
+  }
+}
+
+template <typename TensorO>
+__device__ __forceinline__ void rescale_rows(TensorO& o, const float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int c = 0; c < cute::size<1>(o); ++c) o(r, c) *= alpha[r];
+  }
+}
+
+// The fp32 accumulator's per-thread order equals the 16-bit A operand's ((2, 2, 2), 1, N/16):
+// pairs of columns, row halves, then 8-column blocks. So P is S converted in place, two at a time.
+template <typename T, typename TensorS, typename TensorP>
+__device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag) {
+  static_assert(decltype(cute::size(p_frag))::value == decltype(cute::size(s_acc))::value, "fa3: P and S fragments differ");
+  auto words = cute::recast<uint32_t>(p_frag);
+#pragma unroll
+  for (int i = 0; i < cute::size(words); ++i) words(i) = common::pack2<typename T::DTypeKV>(s_acc(2 * i), s_acc(2 * i + 1));
+}
+
+// Pingpong: the two consumer warpgroups take turns issuing their wgmma batches, so one's GEMMs
+// run while the other does its softmax. Warpgroup w waits on barrier kBarrierScheduler + w; the
+// other warpgroup's issue arrives on it.
+constexpr int kBarrierScheduler = 2;  // ids 2 and 3
+__device__ __forceinline__ void scheduler_wait(int wg) {
+  cutlass::arch::NamedBarrier::sync(256, kBarrierScheduler + wg);
+}
+__device__ __forceinline__ void scheduler_pass(int wg) {
+  cutlass::arch::NamedBarrier::arrive(256, kBarrierScheduler + (1 - wg));
+}
+
+// Normalize and store the thread's rows: o/lse directly, or the fp32 partial slot of the chunk.
+template <typename T, typename TensorO, typename TensorC>
+__device__ __forceinline__ void store_rows(const typename T::Params& p, const int32_t* plan, const WorkTile& w,
+                                           const common::FastDivmod& group, int kv_head, bool bad_page,
+                                           const float (&m)[2], const float (&d)[2], TensorO& o, TensorC& coord) {
+  using namespace cute;
+  using DTypeO = typename T::DTypeO;
+  const int lane = threadIdx.x % 32;
+  const int num_chunks = w.slot >= 0 ? plan[p.off_num_chunks + w.request] : 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = get<0>(coord(r, 0));
+    if (row >= w.rows) continue;
+    int token, head_in_group;
+    group.divmod(w.row_begin + row, token, head_in_group);
+    const int qo_head = kv_head * p.group_size + head_in_group;
+    const float inv_d = bad_page ? NAN : (d[r] > 0.f ? 1.f / d[r] : 0.f);
+    const float lse = bad_page ? NAN : (d[r] > 0.f ? m[r] + log2f(d[r]) : common::kNegInf);
+    if (w.slot < 0) {
+      DTypeO* o_row = static_cast<DTypeO*>(p.o) + int64_t(w.qo_begin + token) * p.o_stride_n + int64_t(qo_head) * p.o_stride_h;
+#pragma unroll
+      for (int c = 0; c < size<1>(o); c += 2) {
+        *reinterpret_cast<uint32_t*>(o_row + get<1>(coord(r, c))) = common::pack2<DTypeO>(o(r, c) * inv_d, o(r, c + 1) * inv_d);
+      }
+      if (p.lse != nullptr && lane % 4 == 0) static_cast<float*>(p.lse)[int64_t(w.qo_begin + token) * p.num_qo_heads + qo_head] = lse;
+    } else {
+      const int64_t prow = int64_t(w.slot + token * num_chunks) * p.num_qo_heads + qo_head;
+      float* partial = static_cast<float*>(p.tmp_v) + prow * T::kHeadDimVO;
+#pragma unroll
+      for (int c = 0; c < size<1>(o); c += 2) {
+        *reinterpret_cast<float2*>(partial + get<1>(coord(r, c))) = make_float2(o(r, c) * inv_d, o(r, c + 1) * inv_d);
+      }
+      if (lane % 4 == 0) static_cast<float*>(p.tmp_s)[prow] = lse;
+    }
+  }
+}
+
+// Scale (soft cap) and mask one tile of raw scores; returns the scale the softmax still applies.
+template <typename T, typename TensorS, typename TensorC>
+__device__ __forceinline__ float transform_scores(const typename T::Params& p, const KeyMask<T>& mask, bool masked,
+                                                  int first, const int (&q_pos)[2], TensorS& s, TensorC& coord) {
+  using namespace cute;
+  float scale = p.sm_scale_log2;
+  if constexpr (T::kSoftCap) {
+#pragma unroll
+    for (int i = 0; i < size(s); ++i) s(i) = p.soft_cap_log2 * common::fast_tanh(s(i) * p.sm_scale_log2);
+    scale = 1.f;
+  }
+  if (masked) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int c = 0; c < size<1>(s); ++c) {
+        if (!mask.visible(first + get<1>(coord(r, c)), q_pos[r])) s(r, c) = common::kNegInf;
+      }
+    }
+  }
+  return scale;
+}
+
+template <typename T>
+__device__ __forceinline__ void consume(typename T::SharedStorage& smem, const typename T::Params& p, const int32_t* plan,
+                                        const WorkTile& w, const common::FastDivmod& group, int kv_head) {
+  using namespace cute;
+  using Element = typename T::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  const int ctid = threadIdx.x - T::kProducerThreads;  // 0..255 across both consumer warpgroups
+
+  typename T::TiledMmaQK mma_qk;
+  typename T::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(ctid);
+  auto thr_pv = mma_pv.get_thread_slice(ctid);
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k), typename T::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{});
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K) descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<T::kBlockM>, Int<T::kHeadDimVO>>{});
+  Tensor o = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+  Tensor s_coord = make_tensor(cS.data(), rowcol(cS.layout()));
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDimVO>>{}));
+  Tensor o_coord = make_tensor(cO.data(), rowcol(cO.layout()));
+  static_assert(decltype(size<1>(tSrQ))::value == 1, "fa3: one 64-row wgmma per consumer warpgroup");
+
+  float m[2] = {common::kNegInf, common::kNegInf};
+  float d[2] = {0.f, 0.f};
+  clear(tOrO);
+  int q_pos[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) q_pos[r] = group.div(w.row_begin + get<0>(s_coord(r, 0))) + w.pos_shift;
+  KeyMask<T> mask{w.end, w.pos_shift, p.window_left, w.first_token + w.pos_shift, w.last_token + w.pos_shift,
+                  p.causal != 0};
+
+  const int wg = ctid / 128;
+  auto issue_qk = [&](auto& s_acc, int stage) {
+    warpgroup_fence_operand(s_acc);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), s_acc);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  auto issue_pv = [&](auto& p_frag, int stage) {
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < size<2>(p_frag); ++kb) gemm(mma_pv, p_frag(_, _, kb), tOrV(_, _, kb, stage), tOrO);
+    warpgroup_commit_batch();
+  };
+  auto wait_full = [&](uint64_t* bar, uint32_t phase) {
+    Barrier::wait(bar, phase);
+    cutlass::arch::fence_view_async_shared();  // cp.async wrote the tile through the generic proxy
+  };
+  // Scale, mask and softmax tile n's scores in place; returns o's rescale factors in alpha.
+  auto softmax_tile = [&](auto& s_acc, int n, float (&alpha)[2]) {
+    const int first = w.begin + n * T::kBlockN;
+    Tensor s = make_tensor(s_acc.data(), rowcol(s_acc.layout()));
+    const float scale = transform_scores<T>(p, mask, mask.tile_needs_mask(first), first, q_pos, s, s_coord);
+    online_softmax(s, m, d, scale, alpha);
+  };
+
+  // Software pipeline (FA3 intra-warpgroup overlap): iteration n issues S_n = Q K_n^T and
+  // O += P_{n-1} V_{n-1} together, runs the softmax of S_n while the P.V wgmma is in flight, and
+  // only then rescales O. Stage of tile n: n % 2; its barriers' phase: (n / 2) & 1.
+  const int num_tiles = num_kv_tiles(w, T::kBlockN);
+  if (num_tiles > 0) {
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
+    Tensor tOrP = make_tensor<Element>(Shape<Shape<_2, _2, _2>, _1, Int<T::kBlockN / 16>>{});
+    float alpha[2];
+    if (wg == 1) scheduler_pass(wg);  // warpgroup 0 issues first
+    Barrier::wait(&smem.q_full, 0);
+    wait_full(&smem.k_full[0], 0);
+    scheduler_wait(wg);
+    issue_qk(tSrS, 0);
+    scheduler_pass(wg);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    Barrier::arrive(&smem.k_empty[0]);
+    softmax_tile(tSrS, 0, alpha);  // o is still zero: no rescale
+    convert_p<T>(tSrS, tOrP);
+
+    for (int n = 1; n < num_tiles; ++n) {
+      const int stage = n % T::kStages, prev = (n - 1) % T::kStages;
+      wait_full(&smem.k_full[stage], (n / T::kStages) & 1);
+      wait_full(&smem.v_full[prev], ((n - 1) / T::kStages) & 1);
+      scheduler_wait(wg);
+      issue_qk(tSrS, stage);
+      issue_pv(tOrP, prev);
+      scheduler_pass(wg);
+      warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
+      warpgroup_fence_operand(tSrS);
+      Barrier::arrive(&smem.k_empty[stage]);
+      softmax_tile(tSrS, n, alpha);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      Barrier::arrive(&smem.v_empty[prev]);
+      rescale_rows(o, alpha);
+      convert_p<T>(tSrS, tOrP);
+    }
+
+    const int last = (num_tiles - 1) % T::kStages;
+    wait_full(&smem.v_full[last], ((num_tiles - 1) / T::kStages) & 1);
+    scheduler_wait(wg);
+    issue_pv(tOrP, last);
+    if (wg == 0) scheduler_pass(wg);  // warpgroup 1's opening pass already balanced the count
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    Barrier::arrive(&smem.v_empty[last]);
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) d[r] = common::lane_group_sum<4>(d[r]);
+  const bool bad_page = __syncthreads_or(0);  // pairs with the producer's: it has seen every page id
+  store_rows<T>(p, plan, w, group, kv_head, bad_page, m, d, o, o_coord);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_constant__ typename T::Params p) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  int32_t* plan = static_cast<int32_t*>(p.plan);
+
+  const int work = blockIdx.x;
+  if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
+  const int kv_head = blockIdx.y;
+
+  if (threadIdx.x == 0) {
+    Barrier::init(&smem.q_full, T::kProducerThreads);
+#pragma unroll
+    for (int s = 0; s < T::kStages; ++s) {
+      Barrier::init(&smem.k_full[s], T::kProducerThreads);
+      Barrier::init(&smem.v_full[s], T::kProducerThreads);
+      Barrier::init(&smem.k_empty[s], T::kConsumerThreads);
+      Barrier::init(&smem.v_empty[s], T::kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const common::FastDivmod group(p.group_size);
+  const WorkTile w = load_work_tile<T>(p, plan, work, group);
+  if (threadIdx.x < T::kProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    bool bad_page = false;
+    produce<T>(smem, p, plan, w, group, kv_head, bad_page);
+    bad_page = __syncthreads_or(bad_page);  // pairs with the consumers'
+    if (bad_page && threadIdx.x == 0) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    consume<T>(smem, p, plan, w, group, kv_head);
+  }
+}
+
+template <typename T>
+cudaError_t prefill_set_smem() {
+  // Set per launch: the opt-in is per device, and processes may drive several GPUs.
+  return cudaFuncSetAttribute(prefill_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+}
+
+template <typename T>
+cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
+  const cudaError_t err = prefill_set_smem<T>();
+  if (err != cudaSuccess) return err;
+  const dim3 grid(p.work_capacity, p.num_kv_heads);
+  prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t prefill_occupancy(int* ctas_per_sm) {
+  const cudaError_t err = prefill_set_smem<T>();
+  if (err != cudaSuccess) return err;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, prefill_kernel<T>, T::kThreads, T::kSmemBytes);
+}
+
+}  // namespace attnforge::fa3
