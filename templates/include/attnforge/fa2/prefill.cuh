@@ -145,31 +145,38 @@ __device__ __forceinline__ float alibi_slope(int head, int num_heads) {
   return head < n ? exp2f(-8.f * float(head + 1) / float(n)) : exp2f(-4.f * float(2 * (head - n) + 1) / float(n));
 }
 
-// Global element offset (past the head) of paged kv token `token` of the request; a bad page id
-// reads page 0 and raises `bad_page`.
+// Paged KV: one thread per tile row turns its row's page id into the row's global offset (past the
+// head) in the tile's table in shared memory, 0 past `end` (the copies zero-fill those rows but still
+// need an address), so each page id is read once per tile,
+// not once per 16-byte copy of K and again of V. The page id is fetched a tile ahead into a register:
+// its global-load latency then hides behind a whole tile instead of stalling the barrier that
+// publishes the table. A bad page id reads page 0 and raises `bad_page`.
 template <typename T>
-__device__ __forceinline__ int64_t page_row_offset(const typename T::Params& p, const int32_t* page_ids,
-                                                   const common::FastDivmod& page_size, int token, bool& bad_page) {
-  int page_index, in_page;
-  page_size.divmod(token, page_index, in_page);
-  const int page = __ldg(page_ids + page_index);
-  const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
-  bad_page |= !ok;
-  return (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
-}
+struct PageRowFetch {
+  int page, in_page;  // of this thread's row in the tile fetched last; in_page -1: past `end`
 
-// Paged KV: one thread per row fills the tile's table of global row offsets (-1 past `end`) in
-// shared memory, so each page id is read once per tile, not once per 16-byte copy of K and again of V.
-template <typename T>
-__device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T::Params& p, const int32_t* page_ids,
-                                                const common::FastDivmod& page_size, int first, int end,
-                                                bool& bad_page) {
-  const int row = threadIdx.x;
-  if (row < T::kTileKV) {
-    const int token = first + row;
-    table[row] = token < end ? page_row_offset<T>(p, page_ids, page_size, token, bad_page) : -1;
+  __device__ __forceinline__ void fetch(const int32_t* page_ids, const common::FastDivmod& page_size, int first,
+                                        int end) {
+    const int token = first + static_cast<int>(threadIdx.x);
+    in_page = -1;
+    if (threadIdx.x < T::kTileKV && token < end) {
+      int page_index;
+      page_size.divmod(token, page_index, in_page);
+      page = __ldg(page_ids + page_index);
+    }
   }
-}
+
+  __device__ __forceinline__ void write(int64_t* table, const typename T::Params& p, bool& bad_page) const {
+    if (threadIdx.x >= T::kTileKV) return;
+    if (in_page < 0) {
+      table[threadIdx.x] = 0;
+      return;
+    }
+    const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
+    bad_page |= !ok;
+    table[threadIdx.x] = (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
+  }
+};
 
 // Issue the cp.async copies of one K or V tile (kTileKV rows of kCells cells, request tokens
 // [first, first + kTileKV)); rows at or past `end` are zero-filled so P.V never meets garbage.
@@ -192,18 +199,25 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
   if constexpr (!T::kPagedKV) src += int64_t(kv_token_base + first + row0) * token_stride;
   const int64_t step = kRowsPerPass * token_stride;
   const int rows_left = end - first - row0;  // rows row0 + i * kRowsPerPass below this are in range
+  // Paged: read the thread's table entries before the first copy; interleaving shared-memory loads
+  // with cp.async makes ptxas pad every copy with no-ops.
+  int64_t offsets[T::kPagedKV ? kPasses : 1];
+  if constexpr (T::kPagedKV) {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = row0 + i * kRowsPerPass;
+      offsets[i] = T::kTileKV % kRowsPerPass == 0 || row < T::kTileKV ? table[row] : 0;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int row = row0 + i * kRowsPerPass;
     if (T::kTileKV % kRowsPerPass != 0 && row >= T::kTileKV) break;
-    bool valid;
+    const bool valid = i * kRowsPerPass < rows_left;
     const typename T::DTypeKV* row_src;
     if constexpr (T::kPagedKV) {
-      const int64_t off = table[row];
-      valid = off >= 0;
-      row_src = src + max(off, int64_t(0));
+      row_src = src + offsets[i];
     } else {
-      valid = i * kRowsPerPass < rows_left;
       row_src = valid ? src : head_base;
       src += step;
     }
@@ -613,9 +627,12 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   const int kv_token_base = T::kPagedKV ? 0 : plan[p.off_kv_indptr + rows.request];
   const common::FastDivmod page_size(T::kPagedKV ? p.page_size : 1);
   bool bad_page = false;
+  PageRowFetch<T> pages;
+  // Publish the table of `tile` (fetched one tile earlier) and fetch the page ids of tile + 1.
   auto fill_offsets = [&](int tile) {
     if constexpr (T::kPagedKV) {
-      fill_kv_offsets<T>(smem.tiles.kv_offsets[tile % 2], p, page_ids, page_size, begin + tile * T::kTileKV, end, bad_page);
+      pages.write(smem.tiles.kv_offsets[tile % 2], p, bad_page);
+      pages.fetch(page_ids, page_size, begin + (tile + 1) * T::kTileKV, end);
     }
   };
   auto load_k = [&](int tile) {
@@ -628,30 +645,33 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   };
 
   const int num_tiles = end > begin ? (end - begin + T::kTileKV - 1) / T::kTileKV : 0;
+  if constexpr (T::kPagedKV) pages.fetch(page_ids, page_size, begin, end);
   fill_offsets(0);
   if constexpr (T::kPagedKV) __syncthreads();
   if (num_tiles > 0) load_k(0);
-  common::cp_async_commit();
-  if (num_tiles > 0) load_v(0);
   common::cp_async_commit();
 
   // Tiles from here on need no causal / window mask: every row sees every column.
   const int q_pos_first = first_token + rows.pos_shift, q_pos_last = last_token + rows.pos_shift;
 
+  // Two barriers per tile (FlashAttention-2's order): V_tile loads during Q.K of the tile, K_{tile+1}
+  // during its softmax and P.V.
   PrefillState<T> st;
   st.init();
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int first = begin + tile * T::kTileKV;
-    common::cp_async_wait<1>();  // Q and K_tile have landed
-    __syncthreads();
+    common::cp_async_wait<0>();  // Q and K_tile have landed
+    __syncthreads();  // ...and every warp is done with V_{tile-1}, and with table (tile + 1) % 2
+    load_v(tile);
+    common::cp_async_commit();
     if constexpr (T::kPosEncoding == kPosRopeLlama) {
       rope_k_tile<T>(smem.tiles.k, first, p.rope_rcp_scale, p.rope_rcp_theta);
       __syncthreads();
     }
     float s[T::kMmaQ][T::kMmaKV][8];
     compute_scores<T>(smem.tiles.q, smem.tiles.k, warp_q, warp_kv, s);
-    // Table (tile + 1) % 2 was last read by the loads of tile - 1, issued before this iteration began.
     if (tile + 1 < num_tiles) fill_offsets(tile + 1);
+    common::cp_async_wait<0>();  // V_tile has landed
     __syncthreads();  // K is consumed (refill it while softmax and P.V run); the next table is written
     if (tile + 1 < num_tiles) load_k(tile + 1);
     common::cp_async_commit();
@@ -662,13 +682,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     if constexpr (!T::kRawScores) transform_scores<T>(p, rows, rc, first, warp_kv, s);
     if (boundary) mask_scores<T>(p, rows, rc, first, end, warp_kv, s);
     softmax_update<T>(s, T::kRawScores ? p.sm_scale_log2 : 1.f, st);
-
-    common::cp_async_wait<1>();  // V_tile has landed
-    __syncthreads();
     accumulate_pv<T>(smem.tiles.v, warp_kv, s, st);
-    __syncthreads();  // V is consumed
-    if (tile + 1 < num_tiles) load_v(tile + 1);
-    common::cp_async_commit();
   }
   common::cp_async_wait<0>();
 
