@@ -145,38 +145,27 @@ __device__ __forceinline__ float alibi_slope(int head, int num_heads) {
   return head < n ? exp2f(-8.f * float(head + 1) / float(n)) : exp2f(-4.f * float(2 * (head - n) + 1) / float(n));
 }
 
-// Paged KV: one thread per tile row turns its row's page id into the row's global offset (past the
-// head) in the tile's table in shared memory, 0 past `end` (the copies zero-fill those rows but still
-// need an address), so each page id is read once per tile,
-// not once per 16-byte copy of K and again of V. The page id is fetched a tile ahead into a register:
-// its global-load latency then hides behind a whole tile instead of stalling the barrier that
-// publishes the table. A bad page id reads page 0 and raises `bad_page`.
+// Paged KV: one thread per tile row writes its row's global offset (past the head) into the tile's
+// table in shared memory, 0 past `end` (the copies zero-fill those rows but still need an
+// address), so each page id is read once per tile, not once per 16-byte copy of K and again of V.
+// A bad page id reads page 0 and raises `bad_page`.
 template <typename T>
-struct PageRowFetch {
-  int page, in_page;  // of this thread's row in the tile fetched last; in_page -1: past `end`
-
-  __device__ __forceinline__ void fetch(const int32_t* page_ids, const common::FastDivmod& page_size, int first,
-                                        int end) {
-    const int token = first + static_cast<int>(threadIdx.x);
-    in_page = -1;
-    if (threadIdx.x < T::kTileKV && token < end) {
-      int page_index;
-      page_size.divmod(token, page_index, in_page);
-      page = __ldg(page_ids + page_index);
-    }
-  }
-
-  __device__ __forceinline__ void write(int64_t* table, const typename T::Params& p, bool& bad_page) const {
-    if (threadIdx.x >= T::kTileKV) return;
-    if (in_page < 0) {
-      table[threadIdx.x] = 0;
-      return;
-    }
+__device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T::Params& p, const int32_t* page_ids,
+                                                const common::FastDivmod& page_size, int first, int end,
+                                                bool& bad_page) {
+  const int row = threadIdx.x;
+  if (row >= T::kTileKV) return;
+  int64_t offset = 0;
+  if (first + row < end) {
+    int page_index, in_page;
+    page_size.divmod(first + row, page_index, in_page);
+    const int page = __ldg(page_ids + page_index);
     const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
     bad_page |= !ok;
-    table[threadIdx.x] = (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
+    offset = (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
   }
-};
+  table[row] = offset;
+}
 
 // Issue the cp.async copies of one K or V tile (kTileKV rows of kCells cells, request tokens
 // [first, first + kTileKV)); rows at or past `end` are zero-filled so P.V never meets garbage.
@@ -627,12 +616,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   const int kv_token_base = T::kPagedKV ? 0 : plan[p.off_kv_indptr + rows.request];
   const common::FastDivmod page_size(T::kPagedKV ? p.page_size : 1);
   bool bad_page = false;
-  PageRowFetch<T> pages;
-  // Publish the table of `tile` (fetched one tile earlier) and fetch the page ids of tile + 1.
   auto fill_offsets = [&](int tile) {
     if constexpr (T::kPagedKV) {
-      pages.write(smem.tiles.kv_offsets[tile % 2], p, bad_page);
-      pages.fetch(page_ids, page_size, begin + (tile + 1) * T::kTileKV, end);
+      fill_kv_offsets<T>(smem.tiles.kv_offsets[tile % 2], p, page_ids, page_size, begin + tile * T::kTileKV, end, bad_page);
     }
   };
   auto load_k = [&](int tile) {
@@ -645,7 +631,6 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   };
 
   const int num_tiles = end > begin ? (end - begin + T::kTileKV - 1) / T::kTileKV : 0;
-  if constexpr (T::kPagedKV) pages.fetch(page_ids, page_size, begin, end);
   fill_offsets(0);
   if constexpr (T::kPagedKV) __syncthreads();
   if (num_tiles > 0) load_k(0);
