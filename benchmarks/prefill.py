@@ -1,4 +1,4 @@
-"""Batch prefill benchmark: attnforge FA2 prefill (paged and ragged) vs torch SDPA, same run;
+"""Batch prefill benchmark: attnforge FA2 and FA3 prefill (paged and ragged) vs torch SDPA, same run;
 and tensor-core vs CUDA-core decode.
 
     python -m attnforge.benchmarks.prefill [--shapes 16x1024 4x4096 1x16384] [--out F.json]
@@ -33,6 +33,8 @@ PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 WORKSPACE_BYTES = 256 << 20
 DECODE_BATCH, DECODE_KV_LEN, DECODE_GROUPS = 64, 4096, (1, 4, 8)
+# fa3 runs only on sm90; elsewhere the table shows fa2 alone
+BACKENDS = ("fa2", "fa3") if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else ("fa2",)
 
 
 def parse_args(argv):
@@ -80,18 +82,18 @@ def make_problem(batch: int, length: int, seed: int = 0) -> Problem:
                    page_ids, last)
 
 
-def ours(problem: Problem, causal: bool, paged: bool):
+def ours(problem: Problem, causal: bool, paged: bool, backend: str):
     """Plans once and returns (run, out)."""
     import attnforge
 
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     out = torch.empty_like(problem.q)
     if paged:
-        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace)
+        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend=backend)
         wrapper.plan(problem.qo_indptr, problem.page_indptr, problem.page_ids, problem.last_page_len, NUM_QO_HEADS,
                      NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, causal=causal, q_data_type=DTYPE)
         return (lambda: wrapper.run(problem.q, problem.cache, out=out)), out
-    wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=backend)
     wrapper.plan(problem.qo_indptr, problem.qo_indptr, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, causal=causal,
                  q_data_type=DTYPE)
     return (lambda: wrapper.run(problem.q, problem.k, problem.v, out=out)), out
@@ -121,6 +123,8 @@ class Row:
     ragged_us: float
     paged_tflops: float
     ragged_tflops: float
+    fa3_paged_tflops: float | None
+    fa3_ragged_tflops: float | None
     cudnn_tflops: float | None
     flash_tflops: float | None
     notes: str = ""
@@ -135,13 +139,14 @@ def verify() -> None:
         o_ref, _ = reference.batch_prefill_ragged(problem.q, problem.k, problem.v, problem.qo_indptr,
                                                   problem.qo_indptr, causal=causal)
         for paged in (False, True):
-            run, out = ours(problem, causal, paged)
-            out.fill_(math.nan)
-            run()
-            err = (out.float() - o_ref.float()).abs().max().item()
-            if not math.isfinite(err) or err > 2e-2:
-                raise AssertionError(f"prefill (causal={causal}, paged={paged}) disagrees with the reference: "
-                                     f"max |error| = {err}")
+            for backend in BACKENDS:
+                run, out = ours(problem, causal, paged, backend)
+                out.fill_(math.nan)
+                run()
+                err = (out.float() - o_ref.float()).abs().max().item()
+                if not math.isfinite(err) or err > 2e-2:
+                    raise AssertionError(f"{backend} prefill (causal={causal}, paged={paged}) disagrees with the "
+                                         f"reference: max |error| = {err}")
 
 
 def measure(batch: int, length: int, causal: bool, args) -> Row:
@@ -151,12 +156,14 @@ def measure(batch: int, length: int, causal: bool, args) -> Row:
     flops = 4 * batch * length * length * NUM_QO_HEADS * HEAD_DIM / (2 if causal else 1)
     tflops = lambda us: flops / (us * 1e6)  # noqa: E731
     times, outs = {}, {}
-    for paged in (True, False):
-        run, outs[paged] = ours(problem, causal, paged)
-        times[paged] = time_cuda_us(run, args.iters, args.warmup)
+    for backend in BACKENDS:
+        for paged in (True, False):
+            run, outs[backend, paged] = ours(problem, causal, paged, backend)
+            times[backend, paged] = time_cuda_us(run, args.iters, args.warmup)
     notes = []
-    if (outs[True].float() - outs[False].float()).abs().max().item() > 1e-2:
-        notes.append("paged and ragged outputs differ")
+    reference_out = outs["fa2", False]
+    if any((o.float() - reference_out.float()).abs().max().item() > 2e-2 for o in outs.values()):
+        notes.append("fa2/fa3 paged/ragged outputs differ")
     peers = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         peers[name] = None
@@ -164,7 +171,7 @@ def measure(batch: int, length: int, causal: bool, args) -> Row:
             continue
         try:
             run, peer_out = sdpa(problem, batch, causal, backend)
-            err = (peer_out.float() - outs[False].float()).abs().max().item()
+            err = (peer_out.float() - reference_out.float()).abs().max().item()
             if err > 5e-2:
                 notes.append(f"{name} output differs from ours by {err:.3g}")
             peers[name] = tflops(time_cuda_us(run, args.iters, args.warmup))
@@ -172,8 +179,9 @@ def measure(batch: int, length: int, causal: bool, args) -> Row:
             notes.append(f"{name} n/a: {str(exc).splitlines()[0][:120]}")
     del problem
     torch.cuda.empty_cache()
-    return Row(batch, length, causal, times[True], times[False], tflops(times[True]), tflops(times[False]),
-               peers["cudnn"], peers["flash"], "; ".join(notes))
+    fa3 = {paged: tflops(times["fa3", paged]) if ("fa3", paged) in times else None for paged in (True, False)}
+    return Row(batch, length, causal, times["fa2", True], times["fa2", False], tflops(times["fa2", True]),
+               tflops(times["fa2", False]), fa3[True], fa3[False], peers["cudnn"], peers["flash"], "; ".join(notes))
 
 
 def decode_rows(args, copy_gbps: float) -> list[dict]:
@@ -210,14 +218,16 @@ def decode_rows(args, copy_gbps: float) -> list[dict]:
 
 
 def markdown(rows: list[Row], decode: list[dict], copy_gbps: float) -> str:
-    lines = ["| batch x len | causal | paged (µs) | ragged (µs) | paged TFLOP/s | ragged TFLOP/s | SDPA cuDNN TFLOP/s "
-             "| SDPA FLASH TFLOP/s | ragged / FLASH | paged / ragged time | notes |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| batch x len | causal | fa2 paged (µs) | fa2 ragged (µs) | fa2 paged TFLOP/s | fa2 ragged TFLOP/s | "
+             "fa3 paged TFLOP/s | fa3 ragged TFLOP/s | SDPA cuDNN TFLOP/s | SDPA FLASH TFLOP/s | fa2 ragged / FLASH | "
+             "fa2 paged / ragged time | notes |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     fmt = lambda x: f"{x:.1f}" if x is not None else "n/a"  # noqa: E731
     for r in rows:
         vs_flash = f"{r.ragged_tflops / r.flash_tflops:.2f}" if r.flash_tflops else "n/a"
         lines.append(f"| {r.batch} x {r.length} | {'yes' if r.causal else 'no'} | {r.paged_us:.1f} | {r.ragged_us:.1f} | "
-                     f"{r.paged_tflops:.1f} | {r.ragged_tflops:.1f} | {fmt(r.cudnn_tflops)} | {fmt(r.flash_tflops)} | "
+                     f"{r.paged_tflops:.1f} | {r.ragged_tflops:.1f} | {fmt(r.fa3_paged_tflops)} | "
+                     f"{fmt(r.fa3_ragged_tflops)} | {fmt(r.cudnn_tflops)} | {fmt(r.flash_tflops)} | "
                      f"{vs_flash} | {r.paged_us / r.ragged_us:.3f} | {r.notes} |")
     if decode:
         lines += ["", f"Decode, batch {DECODE_BATCH} x kv {DECODE_KV_LEN}, {NUM_KV_HEADS} kv heads (copy bandwidth "

@@ -166,9 +166,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if use_tensor_cores:
             from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
+            # "auto" is fa2 here, as in FlashInfer: the fa3 kernel's 128-row tile would hold one
+            # request's group (<= 8 rows) and run mostly empty.
             self._tensor_cores = BatchPrefillWithPagedKVCacheWrapper(
                 float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indices_buf=paged_kv_indices_buffer,
-                backend=backend)
+                backend="fa2" if self._backend == "auto" else self._backend)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:

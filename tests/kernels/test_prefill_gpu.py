@@ -42,12 +42,15 @@ class Module:
     window: bool = False
     mask: bool = False
     pos: str = "NONE"
+    backend: str = "fa2"
 
 
 PLAIN = [Module(), Module(head_dim_qk=64, head_dim_vo=64), Module(head_dim_qk=256, head_dim_vo=256),
          Module(torch.float16), Module(head_dim_qk=192)]
 VARIANTS = [Module(window=True), Module(head_dim_qk=256, head_dim_vo=256, soft_cap=True, window=True),
             Module(mask=True), Module(pos="ROPE_LLAMA"), Module(pos="ALIBI")]
+FA3 = [Module(backend="fa3"), Module(torch.float16, 64, 64, backend="fa3"), Module(head_dim_qk=256, head_dim_vo=256,
+       backend="fa3"), Module(head_dim_qk=192, backend="fa3"), Module(window=True, soft_cap=True, backend="fa3")]
 
 
 @dataclass
@@ -150,15 +153,16 @@ def run_ours(case: Case, batch: Batch, **plan_extra):
     workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
     m = case.module
     common = dict(head_dim_vo=m.head_dim_vo, custom_mask=batch.mask, q_data_type=m.dtype, **options(case), **plan_extra)
+    backend = dict(backend=m.backend)
     out = torch.full((batch.q.shape[0], case.num_qo_heads, m.head_dim_vo), math.nan, dtype=m.dtype, device=DEVICE)
     lse = torch.full(out.shape[:2], math.nan, dtype=torch.float32, device=DEVICE)
     if case.paged:
-        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout)
+        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, **backend)
         wrapper.plan(batch.qo_indptr, batch.page_indptr, batch.page_ids, batch.last_page_len, case.num_qo_heads,
                      case.num_kv_heads, m.head_dim_qk, case.page_size, **common)
         wrapper.run(batch.q, batch.cache, out=out, lse=lse, return_lse=True)
     else:
-        wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout=case.layout)
+        wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout=case.layout, **backend)
         wrapper.plan(batch.qo_indptr, batch.kv_indptr, case.num_qo_heads, case.num_kv_heads, m.head_dim_qk, **common)
         wrapper.run(batch.q, batch.k, batch.v, out=out, lse=lse, return_lse=True)
     return out, lse
@@ -184,7 +188,7 @@ def assert_matches_reference(case: Case, out, lse, o_ref, lse_ref):
     torch.testing.assert_close(lse[seen], lse_ref[seen], **LSE_TOL)
 
 
-@pytest.mark.parametrize("modules", [PLAIN, VARIANTS], ids=["plain", "variants"])
+@pytest.mark.parametrize("modules", [PLAIN, VARIANTS, FA3], ids=["plain", "variants", "fa3"])
 def test_prefill_matches_reference(modules):
     @gpu_settings(max_examples=30)
     @given(cases(modules))
@@ -198,7 +202,7 @@ def test_prefill_matches_reference(modules):
 
 
 @gpu_settings(max_examples=12)
-@given(cases(PLAIN[:1], max_batch=3, max_qo=64, token_budget=60000))
+@given(cases([PLAIN[0], FA3[0]], max_batch=3, max_qo=64, token_budget=60000))
 def test_split_kv_equals_unsplit(case):
     """Few requests with long KV get split; forcing it off must not change the answer."""
     note(repr(case))
@@ -211,7 +215,7 @@ def test_split_kv_equals_unsplit(case):
 
 
 @gpu_settings(max_examples=10)
-@given(cases(PLAIN[:1]))
+@given(cases([PLAIN[0], FA3[0]]))
 def test_gqa_equals_repeated_kv_heads(case):
     note(repr(case))
     batch = build(case)
@@ -229,7 +233,7 @@ def test_gqa_equals_repeated_kv_heads(case):
 
 
 @gpu_settings(max_examples=8)
-@given(cases(PLAIN[:1]), st.integers(0, 2**31 - 1))
+@given(cases([PLAIN[0], FA3[0]]), st.integers(0, 2**31 - 1))
 def test_page_table_permutation_leaves_output_unchanged(case, seed):
     case.paged = True
     batch = build(case)
@@ -332,3 +336,29 @@ def test_cuda_graph_replays_after_replan(case, data):
         graph.replay()
         torch.cuda.synchronize()
         assert_matches_reference(c, out[:rows], lse[:rows], *run_reference(c, b))
+
+
+@gpu_settings(max_examples=10)
+@given(cases([PLAIN[0]]))
+def test_fa3_equals_fa2(case):
+    """The two kernel families on one batch: same maths, different tiles and summation order."""
+    note(repr(case))
+    batch = build(case)
+    fa2 = run_ours(case, batch)
+    fa3 = run_ours(Case(**{**case.__dict__, "module": FA3[0]}), batch)
+    torch.testing.assert_close(fa3[0].float(), fa2[0].float(), **O_TOL[case.module.dtype])
+    seen = torch.isfinite(fa2[1])
+    assert torch.equal(torch.isfinite(fa3[1]), seen)
+    torch.testing.assert_close(fa3[1][seen], fa2[1][seen], **LSE_TOL)
+
+
+def test_auto_picks_fa3_on_hopper_and_fa2_for_what_fa3_refuses():
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
+    indptr = torch.tensor([0, 4], dtype=torch.int32)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    plain = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    plain.plan(indptr, indptr, 8, 2, 128, q_data_type=torch.bfloat16)
+    assert plain._plan.module.spec.backend.value == ("fa3" if hopper else "fa2")
+    rope = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    rope.plan(indptr, indptr, 8, 2, 128, pos_encoding_mode="ROPE_LLAMA", q_data_type=torch.bfloat16)
+    assert rope._plan.module.spec.backend.value == "fa2"

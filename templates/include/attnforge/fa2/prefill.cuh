@@ -76,6 +76,9 @@ struct PrefillTraits {
   static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per Q/K row
   static constexpr int kCellsVO = kHeadDimVO / 8;
   static constexpr int kMinCtasPerSm = 2;
+  // Without a bias or cap the scores stay raw dot products until the softmax, which folds
+  // sm_scale_log2 into the FFMA ahead of each exp2 (scaling commutes with the max: the scale is > 0).
+  static constexpr bool kRawScores = !kSoftCap && kPosEncoding != kPosAlibi;
 
   struct Tiles {
     alignas(16) DTypeQ q[kCtaTileQ * kHeadDimQK];
@@ -142,55 +145,72 @@ __device__ __forceinline__ float alibi_slope(int head, int num_heads) {
   return head < n ? exp2f(-8.f * float(head + 1) / float(n)) : exp2f(-4.f * float(2 * (head - n) + 1) / float(n));
 }
 
-// Global element offset (past the head) of paged kv token `token` of the request; a bad page id
-// reads page 0 and raises `bad_page`.
-template <typename T>
-__device__ __forceinline__ int64_t page_row_offset(const typename T::Params& p, const int32_t* page_ids,
-                                                   const common::FastDivmod& page_size, int token, bool& bad_page) {
-  int page_index, in_page;
-  page_size.divmod(token, page_index, in_page);
-  const int page = __ldg(page_ids + page_index);
-  const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
-  bad_page |= !ok;
-  return (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
-}
-
-// Paged KV: one thread per row fills the tile's table of global row offsets (-1 past `end`) in
-// shared memory, so each page id is read once per tile, not once per 16-byte copy of K and again of V.
+// Paged KV: one thread per tile row writes its row's global offset (past the head) into the tile's
+// table in shared memory, 0 past `end` (the copies zero-fill those rows but still need an
+// address), so each page id is read once per tile, not once per 16-byte copy of K and again of V.
+// A bad page id reads page 0 and raises `bad_page`.
 template <typename T>
 __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T::Params& p, const int32_t* page_ids,
                                                 const common::FastDivmod& page_size, int first, int end,
                                                 bool& bad_page) {
   const int row = threadIdx.x;
-  if (row < T::kTileKV) {
-    const int token = first + row;
-    table[row] = token < end ? page_row_offset<T>(p, page_ids, page_size, token, bad_page) : -1;
+  if (row >= T::kTileKV) return;
+  int64_t offset = 0;
+  if (first + row < end) {
+    int page_index, in_page;
+    page_size.divmod(first + row, page_index, in_page);
+    const int page = __ldg(page_ids + page_index);
+    const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
+    bad_page |= !ok;
+    offset = (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
   }
+  table[row] = offset;
 }
 
 // Issue the cp.async copies of one K or V tile (kTileKV rows of kCells cells, request tokens
 // [first, first + kTileKV)); rows at or past `end` are zero-filled so P.V never meets garbage.
 // Row offsets come from the paged table (K and V pages share their strides), or straight from the
 // token for ragged KV, where K and V each have their own token stride.
+// Each thread keeps one cell column and walks the rows kRowsPerPass apart, so a copy costs a pointer
+// step and a compare: recomputing (row, cell) and a 64-bit row offset per copy made the tile loads
+// the largest instruction stream of the loop. With kRowsPerPass % 8 == 0 (head dims 64, 128) the
+// swizzled cell is the same for all of a thread's rows. Head dim 192 leaves kThreads % kCells
+// threads idle.
 template <typename T, int kCells>
 __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typename T::DTypeKV* head_base,
                                              int64_t token_stride, const int64_t* table, int kv_token_base,
                                              int first, int end) {
-  constexpr int kCopies = T::kTileKV * kCells / T::kThreads;
-  static_assert(T::kTileKV * kCells % T::kThreads == 0, "prefill kv tile: every thread issues the same copies");
-  // Partly unrolled: fully, ptxas hoists every copy's 64-bit offset and the 128-row tiles spill.
-#pragma unroll 4
-  for (int i = 0; i < kCopies; ++i) {
-    const int idx = threadIdx.x + i * T::kThreads;
-    const int row = idx / kCells, cell = idx % kCells;
-    int64_t off;
-    if constexpr (T::kPagedKV) {
-      off = table[row];
-    } else {
-      off = first + row < end ? int64_t(kv_token_base + first + row) * token_stride : -1;
+  constexpr int kRowsPerPass = T::kThreads / kCells;
+  constexpr int kPasses = (T::kTileKV + kRowsPerPass - 1) / kRowsPerPass;
+  const int row0 = threadIdx.x / kCells, cell = threadIdx.x % kCells;
+  if (T::kThreads % kCells != 0 && row0 >= kRowsPerPass) return;
+  const typename T::DTypeKV* src = head_base + cell * 8;
+  if constexpr (!T::kPagedKV) src += int64_t(kv_token_base + first + row0) * token_stride;
+  const int64_t step = kRowsPerPass * token_stride;
+  const int rows_left = end - first - row0;  // rows row0 + i * kRowsPerPass below this are in range
+  // Paged: read the thread's table entries before the first copy; interleaving shared-memory loads
+  // with cp.async makes ptxas pad every copy with no-ops.
+  int64_t offsets[T::kPagedKV ? kPasses : 1];
+  if constexpr (T::kPagedKV) {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = row0 + i * kRowsPerPass;
+      offsets[i] = T::kTileKV % kRowsPerPass == 0 || row < T::kTileKV ? table[row] : 0;
     }
-    common::cp_async_16(dst + common::Swizzle128<kCells>::cell(row, cell) * 8, head_base + max(off, int64_t(0)) + cell * 8,
-                        off >= 0);
+  }
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int row = row0 + i * kRowsPerPass;
+    if (T::kTileKV % kRowsPerPass != 0 && row >= T::kTileKV) break;
+    const bool valid = i * kRowsPerPass < rows_left;
+    const typename T::DTypeKV* row_src;
+    if constexpr (T::kPagedKV) {
+      row_src = src + offsets[i];
+    } else {
+      row_src = valid ? src : head_base;
+      src += step;
+    }
+    common::cp_async_16(dst + common::Swizzle128<kCells>::cell(row, cell) * 8, row_src, valid);
   }
 }
 
@@ -334,13 +354,37 @@ struct RowCoords {
   float alibi[T::kMmaQ][2];  // ALiBi slope in score units (base 2, before the soft cap)
 };
 
-// Scale, bias, cap and (on boundary tiles) mask the raw scores of one KV tile whose first column is
-// request token `first`. Visible: col < end, and col <= q_pos (causal), col >= q_pos - window,
-// custom-mask bit set.
+// Scale, bias and cap the raw scores of one KV tile whose first column is request token `first`
+// (variants without kRawScores).
 template <typename T>
 __device__ __forceinline__ void transform_scores(const typename T::Params& p, const PrefillRows& rows,
-                                                 const RowCoords<T>& rc, int first, int end, bool boundary,
-                                                 int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
+                                                 const RowCoords<T>& rc, int first, int warp_kv,
+                                                 float (&s)[T::kMmaQ][T::kMmaKV][8]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mq = 0; mq < T::kMmaQ; ++mq) {
+#pragma unroll
+    for (int mk = 0; mk < T::kMmaKV; ++mk) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int rr = frag_row_half(e);
+        const int col = first + (warp_kv * T::kMmaKV + mk) * 16 + frag_col(e, lane);
+        float x = s[mq][mk][e] * p.sm_scale_log2;
+        if constexpr (T::kPosEncoding == kPosAlibi) x += rc.alibi[mq][rr] * float(col - (rc.token[mq][rr] + rows.pos_shift));
+        if constexpr (T::kSoftCap) x = p.soft_cap_log2 * common::fast_tanh(x);
+        s[mq][mk][e] = x;
+      }
+    }
+  }
+}
+
+// Mask the scores of a tile that straddles a boundary (-inf where invisible). Visible: col < end,
+// and col <= q_pos (causal), col >= q_pos - window, custom-mask bit set. Other tiles skip this
+// whole pass, not a test per element.
+template <typename T>
+__device__ __forceinline__ void mask_scores(const typename T::Params& p, const PrefillRows& rows,
+                                            const RowCoords<T>& rc, int first, int end, int warp_kv,
+                                            float (&s)[T::kMmaQ][T::kMmaKV][8]) {
   const int lane = threadIdx.x % 32;
   const uint8_t* mask_bits = nullptr;
   if constexpr (T::kCustomMask) {
@@ -355,30 +399,25 @@ __device__ __forceinline__ void transform_scores(const typename T::Params& p, co
         const int rr = frag_row_half(e);
         const int col = first + (warp_kv * T::kMmaKV + mk) * 16 + frag_col(e, lane);
         const int q_pos = rc.token[mq][rr] + rows.pos_shift;
-        float x = s[mq][mk][e] * p.sm_scale_log2;
-        if constexpr (T::kPosEncoding == kPosAlibi) x += rc.alibi[mq][rr] * float(col - q_pos);
-        if constexpr (T::kSoftCap) x = p.soft_cap_log2 * common::fast_tanh(x);
-        if (boundary) {
-          bool visible = col < end;
-          if constexpr (T::kCustomMask) {
-            const int64_t bit = int64_t(rc.token[mq][rr]) * rows.kv_len + col;
-            visible = visible && rc.token[mq][rr] < rows.qo_len && ((__ldg(mask_bits + (bit >> 3)) >> (bit & 7)) & 1);
-          } else {
-            visible = visible && (!p.causal || col <= q_pos);
-          }
-          if constexpr (T::kSlidingWindow) visible = visible && col >= q_pos - p.window_left;
-          if (!visible) x = common::kNegInf;
+        bool visible = col < end;
+        if constexpr (T::kCustomMask) {
+          const int64_t bit = int64_t(rc.token[mq][rr]) * rows.kv_len + col;
+          visible = visible && rc.token[mq][rr] < rows.qo_len && ((__ldg(mask_bits + (bit >> 3)) >> (bit & 7)) & 1);
+        } else {
+          visible = visible && (!p.causal || col <= q_pos);
         }
-        s[mq][mk][e] = x;
+        if constexpr (T::kSlidingWindow) visible = visible && col >= q_pos - p.window_left;
+        if (!visible) s[mq][mk][e] = common::kNegInf;
       }
     }
   }
 }
 
-// Online-softmax step: fold the tile's base-2 scores into (m, d), rescale o, and turn the scores
-// into probabilities 2^(s - m) in place.
+// Online-softmax step: fold the tile's scores into (m, d), rescale o, and turn the scores into
+// probabilities 2^(s * scale - m) in place. `scale` turns the scores into base-2 units:
+// sm_scale_log2 for raw scores, 1 once transform_scores has applied it.
 template <typename T>
-__device__ __forceinline__ void softmax_update(float (&s)[T::kMmaQ][T::kMmaKV][8], PrefillState<T>& st) {
+__device__ __forceinline__ void softmax_update(float (&s)[T::kMmaQ][T::kMmaKV][8], float scale, PrefillState<T>& st) {
 #pragma unroll
   for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
@@ -394,7 +433,7 @@ __device__ __forceinline__ void softmax_update(float (&s)[T::kMmaQ][T::kMmaKV][8
       // The four lanes of a quad share the row.
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float m_new = fmaxf(st.m[mq][rr], tile_max);
+      const float m_new = fmaxf(st.m[mq][rr], tile_max * scale);
       // -inf max: nothing visible yet; measure from 0 so 2^(s - m) stays 0 rather than NaN.
       const float m_safe = m_new == common::kNegInf ? 0.f : m_new;
       const float alpha = common::fast_exp2(st.m[mq][rr] - m_safe);
@@ -412,7 +451,7 @@ __device__ __forceinline__ void softmax_update(float (&s)[T::kMmaQ][T::kMmaKV][8
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           if (frag_row_half(e) == rr) {
-            s[mq][mk][e] = common::fast_exp2(s[mq][mk][e] - m_safe);
+            s[mq][mk][e] = common::fast_exp2(fmaf(s[mq][mk][e], scale, -m_safe));
             st.d[mq][rr] += s[mq][mk][e];
           }
         }
@@ -596,26 +635,28 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   if constexpr (T::kPagedKV) __syncthreads();
   if (num_tiles > 0) load_k(0);
   common::cp_async_commit();
-  if (num_tiles > 0) load_v(0);
-  common::cp_async_commit();
 
   // Tiles from here on need no causal / window mask: every row sees every column.
   const int q_pos_first = first_token + rows.pos_shift, q_pos_last = last_token + rows.pos_shift;
 
+  // Two barriers per tile (FlashAttention-2's order): V_tile loads during Q.K of the tile, K_{tile+1}
+  // during its softmax and P.V.
   PrefillState<T> st;
   st.init();
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int first = begin + tile * T::kTileKV;
-    common::cp_async_wait<1>();  // Q and K_tile have landed
-    __syncthreads();
+    common::cp_async_wait<0>();  // Q and K_tile have landed
+    __syncthreads();  // ...and every warp is done with V_{tile-1}, and with table (tile + 1) % 2
+    load_v(tile);
+    common::cp_async_commit();
     if constexpr (T::kPosEncoding == kPosRopeLlama) {
       rope_k_tile<T>(smem.tiles.k, first, p.rope_rcp_scale, p.rope_rcp_theta);
       __syncthreads();
     }
     float s[T::kMmaQ][T::kMmaKV][8];
     compute_scores<T>(smem.tiles.q, smem.tiles.k, warp_q, warp_kv, s);
-    // Table (tile + 1) % 2 was last read by the loads of tile - 1, issued before this iteration began.
     if (tile + 1 < num_tiles) fill_offsets(tile + 1);
+    common::cp_async_wait<0>();  // V_tile has landed
     __syncthreads();  // K is consumed (refill it while softmax and P.V run); the next table is written
     if (tile + 1 < num_tiles) load_k(tile + 1);
     common::cp_async_commit();
@@ -623,15 +664,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     const int last_col = first + T::kTileKV - 1;
     bool boundary = T::kCustomMask || last_col >= end || (causal && last_col > q_pos_first);
     if constexpr (T::kSlidingWindow) boundary = boundary || first < q_pos_last - p.window_left;
-    transform_scores<T>(p, rows, rc, first, end, boundary, warp_kv, s);
-    softmax_update<T>(s, st);
-
-    common::cp_async_wait<1>();  // V_tile has landed
-    __syncthreads();
+    if constexpr (!T::kRawScores) transform_scores<T>(p, rows, rc, first, warp_kv, s);
+    if (boundary) mask_scores<T>(p, rows, rc, first, end, warp_kv, s);
+    softmax_update<T>(s, T::kRawScores ? p.sm_scale_log2 : 1.f, st);
     accumulate_pv<T>(smem.tiles.v, warp_kv, s, st);
-    __syncthreads();  // V is consumed
-    if (tile + 1 < num_tiles) load_v(tile + 1);
-    common::cp_async_commit();
   }
   common::cp_async_wait<0>();
 
