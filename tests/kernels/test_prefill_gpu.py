@@ -50,7 +50,7 @@ PLAIN = [Module(), Module(head_dim_qk=64, head_dim_vo=64), Module(head_dim_qk=25
 VARIANTS = [Module(window=True), Module(head_dim_qk=256, head_dim_vo=256, soft_cap=True, window=True),
             Module(mask=True), Module(pos="ROPE_LLAMA"), Module(pos="ALIBI")]
 FA3 = [Module(backend="fa3"), Module(torch.float16, 64, 64, backend="fa3"), Module(head_dim_qk=256, head_dim_vo=256,
-       backend="fa3"), Module(head_dim_qk=192, backend="fa3"), Module(window=True, soft_cap=True, backend="fa3")]
+       backend="fa3"), Module(window=True, soft_cap=True, backend="fa3")]
 
 
 @dataclass
