@@ -508,8 +508,20 @@ def _copy_into(buffer: torch.Tensor, values: torch.Tensor, name: str) -> torch.T
     return buffer
 
 
+# FlashInfer plan() arguments for features these kernels do not have (multi-item scoring, the
+# trtllm-gen and cuDNN backends): accepted at their defaults, refused otherwise.
+_FLASHINFER_ONLY = frozenset({"prefix_len_ptr", "token_pos_in_items_ptr", "token_pos_in_items_len", "max_item_len_ptr",
+                              "seq_lens", "seq_lens_q", "block_tables", "max_token_per_sequence", "max_sequence_kv",
+                              "v_indptr"})
+
+
 def _refuse(unsupported: dict) -> None:
-    given = {k: v for k, v in unsupported.items() if v is not None and v != 0}
+    unknown = sorted(set(unsupported) - _FLASHINFER_ONLY)
+    if unknown:
+        raise TypeError(f"plan() got unexpected keyword argument(s): {', '.join(unknown)}")
+    # their defaults are None or 0 (token_pos_in_items_len); anything else asks for the feature
+    given = [name for name, value in unsupported.items()
+             if value is not None and not (isinstance(value, (int, float)) and value == 0)]
     if given:
         raise ValueError(f"plan(): {', '.join(sorted(given))} not supported by attnforge's prefill kernels "
                          "(multi-item scoring, trtllm-gen and cuDNN arguments); leave them unset")

@@ -4,6 +4,7 @@ head dim 128, pages of 16, 3 requests) is the base every test perturbs in exactl
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -63,22 +64,13 @@ def plan_ragged(base, **overrides):
     return w
 
 
+@contextlib.contextmanager
 def raises(exc, *texts):
     """pytest.raises that also checks the message names what it should."""
-
-    class _Check:
-        def __enter__(self):
-            self._ctx = pytest.raises(exc)
-            self.info = self._ctx.__enter__()
-            return self.info
-
-        def __exit__(self, *args):
-            handled = self._ctx.__exit__(*args)
-            for text in texts:
-                assert text in str(self.info.value), f"{text!r} not in {str(self.info.value)!r}"
-            return handled
-
-    return _Check()
+    with pytest.raises(exc) as info:
+        yield info
+    for text in texts:
+        assert text in str(info.value), f"{text!r} not in {str(info.value)!r}"
 
 
 def test_valid_base_runs(base):
@@ -141,10 +133,10 @@ def test_plan_fp8_kv_names_the_rule(base):
         plan_ragged(base, kv_data_type=torch.float8_e4m3fn)
 
 
-def test_plan_fa3_names_the_rule(base):
+def test_plan_explicit_fa3_that_a_rule_refuses_names_the_rule(base):
     w = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend="fa3")
-    with raises(UnsupportedSpecError, "fa3-"):
-        w.plan(base.qo_indptr, base.kv_indptr, HQ, HKV, HD, q_data_type=torch.bfloat16)
+    with raises(UnsupportedSpecError, "fa3-", "use"):
+        w.plan(base.qo_indptr, base.kv_indptr, HQ, HKV, HD, pos_encoding_mode="ROPE_LLAMA", q_data_type=torch.bfloat16)
 
 
 def test_plan_custom_mask_wrong_size(base):
@@ -173,6 +165,12 @@ def test_plan_workspace_too_small_says_how_large(base):
 def test_plan_unsupported_flashinfer_argument(base):
     with raises(ValueError, "prefix_len_ptr"):
         plan_ragged(base, prefix_len_ptr=torch.zeros(3, dtype=torch.int32))
+    plan_ragged(base, token_pos_in_items_len=0)  # FlashInfer's default is accepted
+
+
+def test_plan_unknown_argument(base):
+    with raises(TypeError, "casual"):
+        plan_ragged(base, casual=True)
 
 
 def test_run_q_rows_must_match_qo_indptr(base):
