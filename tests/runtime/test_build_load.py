@@ -209,27 +209,28 @@ def test_two_processes_build_once(tmp_path):
     assert sorted(objects) == sorted(p.name + ".o" for p in (folder / "src").glob("*.cu"))
 
 
-def _cuobjdump() -> str | None:
-    """cuobjdump from the CUDA install, else from the nvidia-cuda-cuobjdump wheel (test extra)."""
-    found = shutil.which("cuobjdump")
+def _cuda_tool(name: str, wheel: str) -> str | None:
+    """A CUDA binary tool from the CUDA install, else from its nvidia-cuda-* wheel (test extras)."""
+    found = shutil.which(name)
     if found:
         return found
     try:
-        files = metadata.files("nvidia-cuda-cuobjdump") or []
+        files = metadata.files(wheel) or []
     except metadata.PackageNotFoundError:
         return None
-    for file in files:
-        if file.name == "cuobjdump":
-            return str(Path(file.locate()))
-    return None
+    return next((str(Path(f.locate())) for f in files if f.name == name), None)
 
 
 def test_fa3_module_sass_holds_hgmma(built):
     """The fa3 kernels issue wgmma (HGMMA in SASS): a build that fell back to anything else would
     pass every functional test at a fraction of the speed."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump (install the test extra nvidia-cuda-cuobjdump)")
+    cuobjdump = _cuda_tool("cuobjdump", "nvidia-cuda-cuobjdump")
+    nvdisasm = _cuda_tool("nvdisasm", "nvidia-cuda-nvdisasm")  # cuobjdump -sass runs it
+    if cuobjdump is None or nvdisasm is None:
+        pytest.skip("no cuobjdump/nvdisasm (install the test extras nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
     module, _ = built["fa3_sm90a"]
-    sass = subprocess.run([tool, "-sass", str(module.path)], capture_output=True, text=True, check=True).stdout
+    env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run([cuobjdump, "-sass", str(module.path)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    sass = result.stdout
     assert "HGMMA" in sass
