@@ -146,6 +146,8 @@ class _BatchPrefillWrapper:
             raise ValueError("causal=True with a custom mask: the custom mask replaces the causal mask; pass "
                              "causal=False (and put the causal pattern into the mask if you want it)")
 
+        if use_fp16_qk_reduction:
+            raise ValueError("use_fp16_qk_reduction: the prefill kernels accumulate q.k in fp32; pass False")
         dtype_q = dispatch.to_dtype(q_data_type, "q_data_type")
         dtype_kv = dispatch.to_dtype(kv_data_type, "kv_data_type", allow_none=True) or dtype_q
         dtype_o = dispatch.to_dtype(o_data_type, "o_data_type", allow_none=True) or dtype_q.default_output
@@ -153,8 +155,6 @@ class _BatchPrefillWrapper:
         module = _prefill_module(self._backend, dtype_q, dtype_kv, dtype_o, head_dim_qk, head_dim_vo,
                                  dispatch.parse_pos_encoding(pos_encoding_mode), window_left >= 0, soft_cap > 0,
                                  use_custom_mask, device_index)
-        if use_fp16_qk_reduction:
-            raise ValueError("use_fp16_qk_reduction: the fa2 prefill kernels accumulate q.k in fp32; pass False")
 
         keep_alive = []
         host_max_page = None
