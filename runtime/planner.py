@@ -78,6 +78,25 @@ class PlanError(ValueError):
     pass
 
 
+def split_chunk_tokens(longest: int, unsplit: bool, fixed_split_tokens: int, min_chunk_tokens: int,
+                       ctas_per_item: int, max_ctas: int, items_for) -> int:
+    """The split-KV chunk both planners use (host/split_kv.h, line for line): the whole longest
+    range when unsplit, else the fixed split, else the smallest chunk >= min_chunk_tokens whose
+    item count times ctas_per_item fits max_ctas."""
+    if unsplit:
+        return max(longest, 1)
+    if fixed_split_tokens > 0:
+        return fixed_split_tokens
+    lo, hi = min_chunk_tokens, max(longest, min_chunk_tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if items_for(mid) * ctas_per_item <= max_ctas:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def plan_decode_oracle(
     indptr: list[int],
     last_page_len: list[int],
@@ -115,20 +134,8 @@ def plan_decode_oracle(
     def items_for(chunk: int) -> int:
         return sum(max(1, -(-n // chunk)) for n in lengths)
 
-    chunk = max(longest, 1)
-    if disable_split_kv or batch * ctas_per_request >= max_ctas:
-        pass
-    elif fixed_split_tokens > 0:
-        chunk = fixed_split_tokens
-    else:
-        lo, hi = min_chunk_tokens, max(longest, min_chunk_tokens)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if items_for(mid) * ctas_per_request <= max_ctas:
-                hi = mid
-            else:
-                lo = mid + 1
-        chunk = lo
+    chunk = split_chunk_tokens(longest, disable_split_kv or batch * ctas_per_request >= max_ctas, fixed_split_tokens,
+                               min_chunk_tokens, ctas_per_request, max_ctas, items_for)
     num_work = items_for(chunk)
     if num_work > layout.capacity:
         raise PlanError(f"the plan needs {num_work} work items but has room for {layout.capacity}")

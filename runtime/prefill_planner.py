@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnforge.codegen.abi import PLAN_HEADER
-from attnforge.planner import MIN_CHUNK_TOKENS, PlanError
+from attnforge.planner import MIN_CHUNK_TOKENS, PlanError, split_chunk_tokens
 
 __all__ = [
     "PrefillPlanLayout",
@@ -183,20 +183,8 @@ def plan_prefill_oracle(
     def items_for(chunk: int) -> int:
         return sum(tiles[r] * chunks_of(r, chunk) for r in range(batch))
 
-    chunk = max(longest, 1)
-    if disable_split_kv or total_tiles * num_kv_heads >= max_ctas:
-        pass
-    elif fixed_split_tokens > 0:
-        chunk = fixed_split_tokens
-    else:
-        lo, hi = min_chunk_tokens, max(longest, min_chunk_tokens)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if items_for(mid) * num_kv_heads <= max_ctas:
-                hi = mid
-            else:
-                lo = mid + 1
-        chunk = lo
+    chunk = split_chunk_tokens(longest, disable_split_kv or total_tiles * num_kv_heads >= max_ctas, fixed_split_tokens,
+                               min_chunk_tokens, num_kv_heads, max_ctas, items_for)
     num_work = items_for(chunk)
     if num_work > layout.capacity:
         raise PlanError(f"the plan needs {num_work} work items ({total_tiles} q tiles of {tile_rows} rows, kv chunks "

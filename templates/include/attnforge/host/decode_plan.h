@@ -20,6 +20,7 @@
 
 #include "../common/plan_image.cuh"
 #include "error.h"
+#include "split_kv.h"
 
 namespace attnforge::host {
 
@@ -64,19 +65,9 @@ int32_t plan_decode(const Args& a, Info* info) {
     for (int r = 0; r < batch; ++r) items += std::max<int64_t>(1, (range_len[r] + chunk - 1) / chunk);
     return items;
   };
-  int64_t chunk = std::max(longest, 1);
-  if (a.disable_split_kv || int64_t(batch) * a.ctas_per_request >= a.max_ctas) {
-    // one work item per request
-  } else if (a.fixed_split_tokens > 0) {
-    chunk = a.fixed_split_tokens;
-  } else {
-    int64_t lo = a.min_chunk_tokens, hi = std::max<int64_t>(longest, a.min_chunk_tokens);
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (items_for(mid) * a.ctas_per_request <= a.max_ctas) hi = mid; else lo = mid + 1;
-    }
-    chunk = lo;
-  }
+  const int64_t chunk = split_chunk_tokens(longest, a.disable_split_kv || int64_t(batch) * a.ctas_per_request >= a.max_ctas,
+                                           a.fixed_split_tokens, a.min_chunk_tokens, a.ctas_per_request, a.max_ctas,
+                                           items_for);
   const int64_t num_work = items_for(chunk);
   if (num_work > a.work_capacity) {
     return fail(kBadInput, "the plan needs " + std::to_string(num_work) + " work items (kv chunks of " +

@@ -35,6 +35,7 @@
 
 #include "../common/plan_image.cuh"
 #include "error.h"
+#include "split_kv.h"
 
 namespace attnforge::host {
 
@@ -156,19 +157,9 @@ int32_t plan_prefill(const Args& a, Info* info) {
     for (const auto& q : requests) items += q.tiles * chunks_of(q, chunk);
     return items;
   };
-  int64_t chunk = std::max<int64_t>(longest, 1);
-  if (a.disable_split_kv || total_tiles * a.num_kv_heads >= a.max_ctas) {
-    // one chunk per request
-  } else if (a.fixed_split_tokens > 0) {
-    chunk = a.fixed_split_tokens;
-  } else {
-    int64_t lo = a.min_chunk_tokens, hi = std::max<int64_t>(longest, a.min_chunk_tokens);
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (items_for(mid) * a.num_kv_heads <= a.max_ctas) hi = mid; else lo = mid + 1;
-    }
-    chunk = lo;
-  }
+  const int64_t chunk = split_chunk_tokens(longest, a.disable_split_kv || total_tiles * a.num_kv_heads >= a.max_ctas,
+                                           a.fixed_split_tokens, a.min_chunk_tokens, a.num_kv_heads, a.max_ctas,
+                                           items_for);
   const int64_t num_work = items_for(chunk);
   if (num_work > a.work_capacity) {
     return fail(kBadInput, "the plan needs " + std::to_string(num_work) + " work items (" +
