@@ -3,6 +3,8 @@ what was given. Checks read tensor metadata only: none of them synchronizes with
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -56,6 +58,54 @@ def positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
+
+
+def heads(num_qo_heads, num_kv_heads) -> tuple[int, int]:
+    """Query and kv head counts; the query heads must split evenly into GQA groups."""
+    num_qo_heads = positive_int(num_qo_heads, "num_qo_heads")
+    num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    return num_qo_heads, num_kv_heads
+
+
+def window_left(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"window_left: expected -1 (no window) or a non-negative int, got {value!r}")
+    return value
+
+
+def soft_cap(value) -> float:
+    """logits_soft_cap as a float, 0.0 meaning none."""
+    cap = float(value or 0.0)
+    if cap < 0 or not math.isfinite(cap):
+        raise ValueError(f"logits_soft_cap: expected None, 0 or a positive float, got {value!r}")
+    return cap
+
+
+def positive_float(value, name: str, default: float) -> float:
+    """A positive finite float, or `default` for None (sm_scale, rope_scale, rope_theta)."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{name}: expected a positive float or None, got {value!r}")
+    return float(value)
+
+
+def split_size(value) -> None:
+    """fixed_split_size: None or -1 (automatic), else a positive number of pages."""
+    if value is not None and value != -1:
+        positive_int(value, "fixed_split_size")
+
+
+def run_extras(planned_window_left: int, enable_pdl, window_left, sinks, kernel: str) -> None:
+    """run() arguments FlashInfer has and these kernels do not: sinks and PDL are refused, and a
+    window may only repeat the planned one (the plan cut the kv ranges to it)."""
+    if sinks is not None or enable_pdl:
+        raise ValueError(f"run(): attention sinks and PDL are not supported by {kernel}")
+    if window_left is not None and window_left != planned_window_left:
+        raise ValueError(f"window_left: plan() was called with {planned_window_left}, run() got {window_left}; "
+                         "plan again to change the window")
 
 
 def scale(value, name: str) -> float | None:

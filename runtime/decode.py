@@ -22,7 +22,7 @@ from attnforge.codegen.spec import PosEncoding
 
 from . import checks, dispatch, kv_cache
 from .loader import Module, load
-from .plan_buffers import current_stream, num_sms
+from .plan_buffers import cuda_index, current_stream, lse_output, num_sms, output, score_scales, split_tokens
 from .planner import (
     MAX_CTAS_PER_SM_BOUND,
     MIN_CHUNK_TOKENS,
@@ -33,7 +33,6 @@ from .planner import (
 )
 from .settings import settings
 
-LOG2_E = math.log2(math.e)
 @functools.cache
 def _decode_module(backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType, head_dim: int,
                    pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
@@ -210,47 +209,34 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if batch_size < 1:
             raise ValueError(f"indptr: expected at least 2 entries (batch_size + 1), got {indptr.numel()}")
         last_page_len = checks.host_int32(last_page_len, "last_page_len", batch_size)
-        checks.tensor(indices, "indices")
-        checks.dtype(indices, "indices", torch.int32)
-        if indices.dim() != 1:
-            raise ValueError(f"indices: expected a 1-D tensor of page ids, got shape {tuple(indices.shape)}")
-        num_qo_heads = checks.positive_int(num_qo_heads, "num_qo_heads")
-        num_kv_heads = checks.positive_int(num_kv_heads, "num_kv_heads")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        kv_cache.check_page_ids(indices, "indices")
+        num_qo_heads, num_kv_heads = checks.heads(num_qo_heads, num_kv_heads)
         head_dim = checks.positive_int(head_dim, "head_dim")
         page_size = checks.positive_int(page_size, "page_size")
-        if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-            raise ValueError(f"window_left: expected -1 (no window) or a non-negative int, got {window_left!r}")
-        soft_cap = float(logits_soft_cap or 0.0)
-        if soft_cap < 0 or not math.isfinite(soft_cap):
-            raise ValueError(f"logits_soft_cap: expected None, 0 or a positive float, got {logits_soft_cap!r}")
-        if sm_scale is None:
-            sm_scale = 1.0 / math.sqrt(head_dim)
-        elif not (isinstance(sm_scale, (int, float)) and sm_scale > 0 and math.isfinite(sm_scale)):
-            raise ValueError(f"sm_scale: expected a positive float or None, got {sm_scale!r}")
-        if fixed_split_size is not None and fixed_split_size != -1:
-            checks.positive_int(fixed_split_size, "fixed_split_size")
+        window_left = checks.window_left(window_left)
+        soft_cap = checks.soft_cap(logits_soft_cap)
+        sm_scale = checks.positive_float(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim))
+        checks.split_size(fixed_split_size)
         if self._graph and self._graph_batch_size not in (None, batch_size):
             raise ValueError(f"indptr: this CUDA-graph wrapper was planned for batch_size={self._graph_batch_size}, "
                              f"got {batch_size}; a captured graph has a fixed batch size")
 
         if data_type is not None:
             q_data_type = kv_data_type = data_type if kv_data_type is None else kv_data_type
-        dtype_q = dispatch.to_dtype(q_data_type, "q_data_type")
-        dtype_kv = dispatch.to_dtype(kv_data_type, "kv_data_type", allow_none=True) or dtype_q
-        dtype_o = dispatch.to_dtype(o_data_type, "o_data_type", allow_none=True) or dtype_q.default_output
-        device_index = self._device_index()
+        dtype_q, dtype_kv, dtype_o = dispatch.planned_dtypes(q_data_type, kv_data_type, o_data_type)
+        device_index = cuda_index(self._device)
         module = _decode_module(self._backend, dtype_q, dtype_kv, dtype_o, head_dim,
                                 dispatch.parse_pos_encoding(pos_encoding_mode), window_left >= 0, soft_cap > 0,
                                 device_index)
 
-        indices, host_max_page = self._stage_indices(indices, indptr)
+        indices, host_max_page = kv_cache.stage_page_ids(
+            indices, int(indptr[-1]) if not indices.is_cuda else 0, self._device, "indices", self._graph_indices,
+            "paged_kv_indices_buffer")
         group = num_qo_heads // num_kv_heads
         heads, tiles = heads_per_cta(group)
         ctas_per_request = num_kv_heads * tiles
         max_ctas = _max_ctas(module, heads, device_index)
-        fixed_tokens = fixed_split_size * page_size if fixed_split_size and fixed_split_size > 0 else 0
+        fixed_tokens = split_tokens(fixed_split_size, page_size)
         capacity = work_capacity(batch_size, max_ctas, ctas_per_request)
         if fixed_tokens and not self._graph:
             capacity = max(capacity, batch_size + -(-int(indptr[-1]) * page_size // fixed_tokens))
@@ -296,33 +282,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             soft_cap=soft_cap, window_left=window_left, host_max_page=host_max_page, indices=indices)
         self._set_scales(1.0, 1.0)
 
-    def _device_index(self) -> int:
-        return self._device.index if self._device.index is not None else torch.cuda.current_device()
-
-    def _stage_indices(self, indices: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        """Page ids on the device (the graph buffer under CUDA graphs); the largest id when the
-        caller gave them on the host, where checking costs one pass over them."""
-        host_max = None
-        if not indices.is_cuda:
-            used_ids = indices[: int(indptr[-1])]
-            host_max = -1
-            if used_ids.numel() > 0:  # an indptr past the ids is the planner's error to report
-                low, high = torch.aminmax(used_ids)
-                if int(low) < 0:
-                    raise ValueError("indices: page ids must be >= 0, got a negative id")
-                host_max = int(high)
-        elif indices.device != self._device:
-            raise ValueError(f"indices: expected a tensor on {self._device} (the workspace's device), got {indices.device}")
-        if self._graph:
-            if self._graph_indices.numel() < indices.numel():
-                raise ValueError(f"paged_kv_indices_buffer: holds {self._graph_indices.numel()} page ids, the plan "
-                                 f"needs {indices.numel()}")
-            self._graph_indices[: indices.numel()].copy_(indices, non_blocking=True)
-            return self._graph_indices, host_max
-        if indices.is_cuda:  # already on the workspace's device: skip the no-op .to() dispatch
-            return indices.contiguous(), host_max
-        return indices.to(self._device, non_blocking=True).contiguous(), host_max
-
     def _image_buffers(self, size: int) -> tuple[int, int]:
         """Addresses of the pinned host and the device plan image, `size` int32 entries each. The
         host image is refilled only after the module's previous upload of it finished."""
@@ -343,13 +302,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _set_scales(self, q_scale: float, k_scale: float) -> None:
         plan = self._plan
-        sm_scale = plan.sm_scale * q_scale * k_scale
-        if plan.soft_cap > 0:
-            plan.params.score_scale = sm_scale / plan.soft_cap
-            plan.params.post_scale = plan.soft_cap * LOG2_E
-        else:
-            plan.params.score_scale = sm_scale * LOG2_E
-            plan.params.post_scale = LOG2_E
+        plan.params.score_scale, plan.params.post_scale = score_scales(plan.sm_scale * q_scale * k_scale, plan.soft_cap)
 
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
@@ -367,11 +320,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if args:
             raise TypeError("run(): positional scales are only accepted with an fp8 query; pass q_scale/k_scale/"
                             "v_scale as keywords")
-        if sinks is not None or enable_pdl:
-            raise ValueError("run(): attention sinks and PDL are not supported by the decode kernel")
-        if window_left is not None and window_left != plan.window_left:
-            raise ValueError(f"window_left: plan() was called with {plan.window_left}, run() got {window_left}; "
-                             "plan again to change the window")
+        checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the decode kernel")
         checks.tensor(q, "q")
         checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
         checks.device(q, "q", self._device)
@@ -383,24 +332,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if plan.host_max_page is not None and plan.host_max_page >= num_pages:
             raise ValueError(f"indices: page id {plan.host_max_page} is out of range for a cache of {num_pages} pages")
 
-        if out is None:
-            out = torch.empty(q.shape, dtype=plan.dtype_o, device=self._device)
-        else:
-            checks.tensor(out, "out")
-            checks.dtype(out, "out", plan.dtype_o, "o_data_type given to plan()")
-            checks.device(out, "out", self._device)
-            checks.shape(out, "out", q.shape, "same as q")
-            checks.vector_aligned(out, "out")
+        out = output(out, "out", q.shape, plan.dtype_o, self._device, "same as q")
         if return_lse:
-            if lse is None:
-                lse = torch.empty(q.shape[:2], dtype=torch.float32, device=self._device)
-            else:
-                checks.tensor(lse, "lse")
-                checks.dtype(lse, "lse", torch.float32)
-                checks.device(lse, "lse", self._device)
-                checks.shape(lse, "lse", q.shape[:2], "[batch_size, num_qo_heads]")
-                if not lse.is_contiguous():
-                    raise ValueError("lse: expected a contiguous tensor")
+            lse = lse_output(lse, q.shape[:2], self._device, "[batch_size, num_qo_heads]")
 
         q_scale = checks.scale(q_scale, "q_scale")
         k_scale = checks.scale(k_scale, "k_scale")
@@ -417,7 +351,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"paged_kv_cache: k and v caches must have equal strides, got {tuple(k_cache.stride())} "
                              f"and {tuple(v_cache.stride())}")
         params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = stride_page, stride_token, stride_head
-        stream = current_stream(self._device_index())
+        stream = current_stream(cuda_index(self._device))
         plan.module.check(plan.module.fns["decode_run"](ctypes.byref(params), stream), "decode run")
         if params.debug_sync:
             self._raise_kernel_errors()

@@ -35,6 +35,14 @@ def to_dtype(value, argument: str, *, allow_none: bool = False) -> DType | None:
     raise TypeError(f"{argument}: expected a torch.dtype or a dtype name, got {type(value).__name__} {value!r}")
 
 
+def planned_dtypes(q_data_type, kv_data_type, o_data_type) -> tuple[DType, DType, DType]:
+    """(q, kv, o) dtypes of a plan: kv defaults to q's, o to q's default output (bf16 for fp8 q)."""
+    dtype_q = to_dtype(q_data_type, "q_data_type")
+    dtype_kv = to_dtype(kv_data_type, "kv_data_type", allow_none=True) or dtype_q
+    dtype_o = to_dtype(o_data_type, "o_data_type", allow_none=True) or dtype_q.default_output
+    return dtype_q, dtype_kv, dtype_o
+
+
 def torch_dtype(dtype: DType) -> torch.dtype:
     return getattr(torch, dtype.torch_name)
 

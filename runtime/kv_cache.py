@@ -72,3 +72,36 @@ def check_ragged(k: torch.Tensor, v: torch.Tensor, kv_layout: str, num_tokens: i
 def ragged_strides(k: torch.Tensor, kv_layout: str) -> tuple[int, int]:
     """(token, head) strides in elements of a ragged K or V."""
     return (k.stride(0), k.stride(1)) if kv_layout == "NHD" else (k.stride(1), k.stride(0))
+
+
+def check_page_ids(indices, name: str) -> None:
+    checks.tensor(indices, name)
+    checks.dtype(indices, name, torch.int32)
+    if indices.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor of page ids, got shape {tuple(indices.shape)}")
+
+
+def stage_page_ids(indices: torch.Tensor, used: int, device: torch.device, name: str,
+                   graph_buffer: torch.Tensor | None = None, buffer_name: str = "") -> tuple[torch.Tensor, int | None]:
+    """Page ids on `device` — copied into `graph_buffer` under CUDA graphs, whose captured kernels
+    read a fixed address — and the largest of the first `used` ids when the caller gave them on
+    the host, where checking costs one pass over them (None for device ids)."""
+    host_max = None
+    if not indices.is_cuda:
+        used_ids = indices[:used]
+        host_max = -1
+        if used_ids.numel() > 0:  # an indptr past the ids is the planner's error to report
+            low, high = torch.aminmax(used_ids)
+            if int(low) < 0:
+                raise ValueError(f"{name}: page ids must be >= 0, got a negative id")
+            host_max = int(high)
+    elif indices.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the workspace's device), got {indices.device}")
+    if graph_buffer is not None:
+        if graph_buffer.numel() < indices.numel():
+            raise ValueError(f"{buffer_name}: holds {graph_buffer.numel()} page ids, the plan needs {indices.numel()}")
+        graph_buffer[: indices.numel()].copy_(indices, non_blocking=True)
+        return graph_buffer, host_max
+    if indices.is_cuda:  # already on the workspace's device: skip the no-op .to() dispatch
+        return indices.contiguous(), host_max
+    return indices.to(device, non_blocking=True).contiguous(), host_max

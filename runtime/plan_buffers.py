@@ -4,10 +4,13 @@ device buffers with their one asynchronous upload, the caller's stream, and the 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from . import checks
+
+LOG2_E = math.log2(math.e)
 
 
 def current_stream(device_index: int) -> int:
@@ -15,6 +18,23 @@ def current_stream(device_index: int) -> int:
     Stream object per call, a few µs that every run() would pay)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
+def cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def split_tokens(fixed_split_size, page_size: int) -> int:
+    """fixed_split_size (pages) in kv tokens; 0 for an automatic split."""
+    return fixed_split_size * page_size if fixed_split_size and fixed_split_size > 0 else 0
+
+
+def score_scales(sm_scale: float, soft_cap: float) -> tuple[float, float]:
+    """(multiplier of q.k, multiplier after tanh) that put scores in the kernels' base-2 domain: with
+    a soft cap s = cap * log2(e) * tanh(q.k * sm_scale / cap), else s = q.k * sm_scale * log2(e)."""
+    if soft_cap > 0:
+        return sm_scale / soft_cap, soft_cap * LOG2_E
+    return sm_scale * LOG2_E, LOG2_E
 
 
 @functools.cache

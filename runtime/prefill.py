@@ -24,7 +24,17 @@ from attnforge.codegen.spec import Backend, PosEncoding
 from . import checks, dispatch, kv_cache
 from .loader import Module, load
 from .mask import segment_packbits
-from .plan_buffers import PlanImage, current_stream, float_workspace, lse_output, num_sms, output
+from .plan_buffers import (
+    PlanImage,
+    cuda_index,
+    current_stream,
+    float_workspace,
+    lse_output,
+    num_sms,
+    output,
+    score_scales,
+    split_tokens,
+)
 from .planner import MIN_CHUNK_TOKENS
 from .prefill_planner import (
     PrefillPlanLayout,
@@ -35,7 +45,6 @@ from .prefill_planner import (
 )
 from .settings import settings
 
-LOG2_E = math.log2(math.e)
 
 
 @functools.cache
@@ -104,9 +113,6 @@ class _BatchPrefillWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._graph
 
-    def _device_index(self) -> int:
-        return self._device.index if self._device.index is not None else torch.cuda.current_device()
-
     # ------------------------------------------------------------------ plan
     def _plan_batch(self, *, qo_indptr, kv_indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
                     head_dim_qk: int, head_dim_vo: int | None, page_size: int, custom_mask, packed_custom_mask,
@@ -119,26 +125,18 @@ class _BatchPrefillWrapper:
             raise ValueError(f"qo_indptr: expected at least 2 entries (batch_size + 1), got {qo_indptr.numel()}")
         kv_name = "paged_kv_indptr" if self._paged else "kv_indptr"
         kv_indptr = checks.host_int32(kv_indptr, kv_name, batch_size + 1)
-        num_qo_heads = checks.positive_int(num_qo_heads, "num_qo_heads")
-        num_kv_heads = checks.positive_int(num_kv_heads, "num_kv_heads")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if self._paged:
+            kv_cache.check_page_ids(indices, "paged_kv_indices")
+        num_qo_heads, num_kv_heads = checks.heads(num_qo_heads, num_kv_heads)
         head_dim_qk = checks.positive_int(head_dim_qk, "head_dim_qk")
         head_dim_vo = head_dim_qk if head_dim_vo is None else checks.positive_int(head_dim_vo, "head_dim_vo")
         page_size = checks.positive_int(page_size, "page_size")
-        if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-            raise ValueError(f"window_left: expected -1 (no window) or a non-negative int, got {window_left!r}")
-        soft_cap = float(logits_soft_cap or 0.0)
-        if soft_cap < 0 or not math.isfinite(soft_cap):
-            raise ValueError(f"logits_soft_cap: expected None, 0 or a positive float, got {logits_soft_cap!r}")
-        if sm_scale is None:
-            sm_scale = 1.0 / math.sqrt(head_dim_qk)
-        elif not (isinstance(sm_scale, (int, float)) and sm_scale > 0 and math.isfinite(sm_scale)):
-            raise ValueError(f"sm_scale: expected a positive float or None, got {sm_scale!r}")
-        rope_scale = _positive_or_default(rope_scale, "rope_scale", 1.0)
-        rope_theta = _positive_or_default(rope_theta, "rope_theta", 1e4)
-        if fixed_split_size is not None and fixed_split_size != -1:
-            checks.positive_int(fixed_split_size, "fixed_split_size")
+        window_left = checks.window_left(window_left)
+        soft_cap = checks.soft_cap(logits_soft_cap)
+        sm_scale = checks.positive_float(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim_qk))
+        rope_scale = checks.positive_float(rope_scale, "rope_scale", 1.0)
+        rope_theta = checks.positive_float(rope_theta, "rope_theta", 1e4)
+        checks.split_size(fixed_split_size)
         if custom_mask is not None and packed_custom_mask is not None:
             raise ValueError("custom_mask, packed_custom_mask: pass one of them, not both")
         use_custom_mask = custom_mask is not None or packed_custom_mask is not None
@@ -148,10 +146,8 @@ class _BatchPrefillWrapper:
 
         if use_fp16_qk_reduction:
             raise ValueError("use_fp16_qk_reduction: the prefill kernels accumulate q.k in fp32; pass False")
-        dtype_q = dispatch.to_dtype(q_data_type, "q_data_type")
-        dtype_kv = dispatch.to_dtype(kv_data_type, "kv_data_type", allow_none=True) or dtype_q
-        dtype_o = dispatch.to_dtype(o_data_type, "o_data_type", allow_none=True) or dtype_q.default_output
-        device_index = self._device_index()
+        dtype_q, dtype_kv, dtype_o = dispatch.planned_dtypes(q_data_type, kv_data_type, o_data_type)
+        device_index = cuda_index(self._device)
         module = _prefill_module(self._backend, dtype_q, dtype_kv, dtype_o, head_dim_qk, head_dim_vo,
                                  dispatch.parse_pos_encoding(pos_encoding_mode), window_left >= 0, soft_cap > 0,
                                  use_custom_mask, device_index)
@@ -159,7 +155,9 @@ class _BatchPrefillWrapper:
         keep_alive = []
         host_max_page = None
         if self._paged:
-            indices, host_max_page = _stage_page_ids(indices, int(kv_indptr[-1]), self._device)
+            indices, host_max_page = kv_cache.stage_page_ids(indices, int(kv_indptr[-1]), self._device,
+                                                             "paged_kv_indices", self._graph_indices,
+                                                             "paged_kv_indices_buf")
             keep_alive.append(indices)
             last_page_len = checks.host_int32(last_page_len, "paged_kv_last_page_len", batch_size)
         group = num_qo_heads // num_kv_heads
@@ -175,7 +173,7 @@ class _BatchPrefillWrapper:
         tile = fixed_tile or cta_tile_q(packed_len_estimate(rows, batch_size, group, self._graph), head_dim_qk)
         max_ctas = _max_ctas(module, tile, self._paged, device_index)
         kv_page = page_size if self._paged else 1
-        fixed_tokens = _split_tokens(fixed_split_size, kv_page)
+        fixed_tokens = split_tokens(fixed_split_size, kv_page)
         capacity = prefill_work_capacity(rows, batch_size, group, tile, max_ctas, num_kv_heads)
         if fixed_tokens and not self._graph:  # every q tile may be cut into that many chunks
             capacity = max(capacity, capacity * -(-int(kv_indptr[-1]) * kv_page // fixed_tokens))
@@ -282,12 +280,9 @@ class _BatchPrefillWrapper:
         q_scale = checks.scale(q_scale, "q_scale")
         k_scale = checks.scale(k_scale, "k_scale")
         v_scale = checks.scale(v_scale, "v_scale")
-        sm_scale = plan.sm_scale * (q_scale or 1.0) * (k_scale or 1.0)
         params = plan.params
-        if plan.soft_cap > 0:
-            params.sm_scale_log2, params.soft_cap_log2 = sm_scale / plan.soft_cap, plan.soft_cap * LOG2_E
-        else:
-            params.sm_scale_log2, params.soft_cap_log2 = sm_scale * LOG2_E, LOG2_E
+        params.sm_scale_log2, params.soft_cap_log2 = score_scales(plan.sm_scale * (q_scale or 1.0) * (k_scale or 1.0),
+                                                                  plan.soft_cap)
         params.q, params.k, params.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
         params.o, params.lse = out.data_ptr(), lse.data_ptr() if return_lse else None
         params.q_stride_n, params.q_stride_h = q.stride(0), q.stride(1)
@@ -295,7 +290,7 @@ class _BatchPrefillWrapper:
         params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = k_strides
         params.v_stride_page, params.v_stride_token, params.v_stride_head = v_strides
         params.num_pages = num_pages
-        stream = current_stream(self._device_index())
+        stream = current_stream(cuda_index(self._device))
         plan.module.check(plan.module.fns["prefill_run"](ctypes.byref(params), stream), "prefill run")
         if params.debug_sync and self._image.read_slot(PLAN_HEADER.index("error")) & PLAN_ERROR_BAD_PAGE:
             raise RuntimeError(f"{plan.module.spec.uri}: fa2::prefill_kernel read a page id outside [0, {num_pages}) "
@@ -345,8 +340,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         """Schedule a batch: qo_indptr [batch+1] (query tokens), paged_kv_indptr [batch+1] (pages) and
         paged_kv_last_page_len [batch] are int32 host tensors; paged_kv_indices holds the page ids."""
         _refuse(unsupported)
-        if self._graph:
-            paged_kv_indices = _copy_into(self._graph_indices, paged_kv_indices, "paged_kv_indices_buf")
         self._plan_batch(
             qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr, indices=paged_kv_indices,
             last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -365,7 +358,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over the planned pages. Returns o,
         or (o, lse) with lse [qo_indptr[-1], num_qo_heads] fp32 base 2."""
         plan = self._require_plan()
-        _refuse_run_extras(plan, enable_pdl, window_left, sinks)
+        checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
         k_cache, v_cache = kv_cache.split_paged(paged_kv_cache, self._kv_layout, plan.page_size, plan.num_kv_heads,
                                                 plan.head_dim_qk, plan.head_dim_vo, plan.dtype_kv, self._device)
         num_pages = k_cache.shape[0]
@@ -424,7 +417,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over k [kv_indptr[-1], num_kv_heads,
         head_dim_qk] and v [..., head_dim_vo] (NHD; HND puts heads first)."""
         plan = self._require_plan()
-        _refuse_run_extras(plan, enable_pdl, window_left, sinks)
+        checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
         kv_cache.check_ragged(k, v, self._kv_layout, plan.total_kv, plan.num_kv_heads, plan.head_dim_qk,
                               plan.head_dim_vo, plan.dtype_kv, self._device)
         k_token, k_head = kv_cache.ragged_strides(k, self._kv_layout)
@@ -471,43 +464,6 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return wrapper.run(q, k, v, q_scale=scale_q, k_scale=scale_k, v_scale=scale_v, return_lse=return_lse)
 
 
-def _positive_or_default(value, name: str, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{name}: expected a positive float or None, got {value!r}")
-    return float(value)
-
-
-def _split_tokens(fixed_split_size, page_size: int) -> int:
-    return fixed_split_size * page_size if fixed_split_size and fixed_split_size > 0 else 0
-
-
-def _stage_page_ids(indices, used: int, device: torch.device) -> tuple[torch.Tensor, int | None]:
-    """Page ids on the device; the largest id when they came from the host, where checking is free."""
-    checks.tensor(indices, "paged_kv_indices")
-    checks.dtype(indices, "paged_kv_indices", torch.int32)
-    if indices.dim() != 1:
-        raise ValueError(f"paged_kv_indices: expected a 1-D tensor of page ids, got shape {tuple(indices.shape)}")
-    host_max = None
-    if not indices.is_cuda:
-        host_max = int(indices[:used].max()) if used > 0 else -1
-        if used > 0 and int(indices[:used].min()) < 0:
-            raise ValueError("paged_kv_indices: page ids must be >= 0, got a negative id")
-    elif indices.device != device:
-        raise ValueError(f"paged_kv_indices: expected a tensor on {device} (the workspace's device), got {indices.device}")
-    return indices.to(device, non_blocking=True).contiguous(), host_max
-
-
-def _copy_into(buffer: torch.Tensor, values: torch.Tensor, name: str) -> torch.Tensor:
-    """CUDA graphs: the captured kernels read `buffer`; refresh its contents in place."""
-    checks.tensor(values, "paged_kv_indices")
-    if buffer.numel() < values.numel():
-        raise ValueError(f"{name}: holds {buffer.numel()} entries, the plan needs {values.numel()}")
-    buffer[: values.numel()].copy_(values, non_blocking=True)
-    return buffer
-
-
 # FlashInfer plan() arguments for features these kernels do not have (multi-item scoring, the
 # trtllm-gen and cuDNN backends): accepted at their defaults, refused otherwise.
 _FLASHINFER_ONLY = frozenset({"prefix_len_ptr", "token_pos_in_items_ptr", "token_pos_in_items_len", "max_item_len_ptr",
@@ -525,11 +481,3 @@ def _refuse(unsupported: dict) -> None:
     if given:
         raise ValueError(f"plan(): {', '.join(sorted(given))} not supported by attnforge's prefill kernels "
                          "(multi-item scoring, trtllm-gen and cuDNN arguments); leave them unset")
-
-
-def _refuse_run_extras(plan: _Plan, enable_pdl, window_left, sinks) -> None:
-    if sinks is not None or enable_pdl:
-        raise ValueError("run(): attention sinks and PDL are not supported by the prefill kernels")
-    if window_left is not None and window_left != plan.window_left:
-        raise ValueError(f"window_left: plan() was called with {plan.window_left}, run() got {window_left}; "
-                         "plan again to change the window")

@@ -165,3 +165,98 @@ def test_decode_spec_refuses_mixed_16bit_and_odd_head_dim():
     _refused("mixed-16bit-qkv", dtype_kv=DType.FP16)
     _refused("decode-head-dims", head_dim=96)
     _refused("decode-no-pos-encoding", pos_encoding=PosEncoding.ROPE_LLAMA)
+
+
+# ---------------------------------------------------------------------------------------
+# plan() arguments both wrappers share
+
+
+def test_heads_must_form_whole_groups():
+    assert checks.heads(32, 8) == (32, 8)
+    _raises(ValueError, checks.heads, 7, 2, contains=("num_qo_heads=7", "num_kv_heads=2"))
+    _raises(ValueError, checks.heads, 0, 2, contains=("num_qo_heads", "positive int", "0"))
+
+
+@pytest.mark.parametrize("bad", [-2, True, 1.5, "3"])
+def test_window_left_names_the_argument(bad):
+    _raises(ValueError, checks.window_left, bad, contains=("window_left", "-1 (no window)", repr(bad)))
+
+
+def test_window_left_accepts_none_marker_and_sizes():
+    assert checks.window_left(-1) == -1 and checks.window_left(0) == 0 and checks.window_left(4096) == 4096
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan")])
+def test_soft_cap_refuses_negative_and_non_finite(bad):
+    _raises(ValueError, checks.soft_cap, bad, contains=("logits_soft_cap", repr(bad)))
+
+
+def test_soft_cap_none_and_zero_mean_off():
+    assert checks.soft_cap(None) == 0.0 and checks.soft_cap(0) == 0.0 and checks.soft_cap(30) == 30.0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), True, "0.1"])
+def test_positive_float_names_the_argument(bad):
+    _raises(ValueError, checks.positive_float, bad, "rope_theta", 1e4, contains=("rope_theta", "positive float"))
+
+
+def test_positive_float_default_for_none():
+    assert checks.positive_float(None, "sm_scale", 0.125) == 0.125
+    assert checks.positive_float(2, "rope_scale", 1.0) == 2.0
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_split_size_names_the_argument(bad):
+    _raises(ValueError, checks.split_size, bad, contains=("fixed_split_size", "positive int"))
+
+
+def test_split_size_automatic_values():
+    for ok in (None, -1, 1, 16):
+        checks.split_size(ok)
+
+
+# ---------------------------------------------------------------------------------------
+# page ids (host tensors stand in for the device here)
+
+
+def test_page_ids_must_be_a_1d_int32_tensor():
+    from attnforge import kv_cache
+
+    _raises(TypeError, kv_cache.check_page_ids, [1, 2], "indices", contains=("indices", "torch.Tensor"))
+    _raises(ValueError, kv_cache.check_page_ids, torch.zeros(3, dtype=torch.int64), "indices",
+            contains=("indices", "torch.int32", "torch.int64"))
+    _raises(ValueError, kv_cache.check_page_ids, torch.zeros(3, 1, dtype=torch.int32), "paged_kv_indices",
+            contains=("paged_kv_indices", "1-D", "(3, 1)"))
+
+
+def test_host_page_ids_report_their_largest_used_id_and_refuse_negatives():
+    from attnforge import kv_cache
+
+    ids = torch.tensor([4, 9, 2, 100], dtype=torch.int32)  # the last id lies past indptr[-1] = 3
+    staged, host_max = kv_cache.stage_page_ids(ids, 3, torch.device("cpu"), "indices")
+    assert host_max == 9 and torch.equal(staged, ids)
+    assert kv_cache.stage_page_ids(ids, 0, torch.device("cpu"), "indices")[1] == -1
+    _raises(ValueError, kv_cache.stage_page_ids, torch.tensor([3, -1], dtype=torch.int32), 2, torch.device("cpu"),
+            "paged_kv_indices", contains=("paged_kv_indices", ">= 0"))
+
+
+def test_graph_page_ids_land_in_the_fixed_buffer():
+    from attnforge import kv_cache
+
+    buffer = torch.full((6,), -7, dtype=torch.int32)
+    ids = torch.tensor([5, 1, 3], dtype=torch.int32)
+    staged, host_max = kv_cache.stage_page_ids(ids, 3, torch.device("cpu"), "indices", buffer, "paged_kv_indices_buffer")
+    assert staged is buffer and host_max == 5 and buffer[:3].tolist() == [5, 1, 3]
+    _raises(ValueError, kv_cache.stage_page_ids, torch.zeros(8, dtype=torch.int32), 8, torch.device("cpu"), "indices",
+            buffer, "paged_kv_indices_buffer", contains=("paged_kv_indices_buffer", "6 page ids", "needs 8"))
+
+
+def test_run_extras_refuse_sinks_pdl_and_a_new_window():
+    checks.run_extras(-1, None, None, None, "the decode kernel")
+    checks.run_extras(64, False, 64, None, "the decode kernel")
+    _raises(ValueError, checks.run_extras, -1, True, None, None, "the decode kernel",
+            contains=("sinks and PDL", "the decode kernel"))
+    _raises(ValueError, checks.run_extras, -1, None, None, torch.zeros(2), "the prefill kernels",
+            contains=("sinks", "the prefill kernels"))
+    _raises(ValueError, checks.run_extras, 64, None, 16, None, "the prefill kernels",
+            contains=("window_left", "64", "16", "plan again"))
