@@ -37,10 +37,18 @@ DECODE_BATCH, DECODE_KV_LEN, DECODE_GROUPS = 64, 4096, (1, 4, 8)
 BACKENDS = ("fa2", "fa3") if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else ("fa2",)
 
 
+def batch_by_length(text: str) -> tuple[int, int]:
+    """A --shapes item, BATCHxLEN with both positive."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected BATCHxLEN with positive integers (e.g. 4x4096), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="attnforge bench prefill", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", default=["16x1024", "4x4096", "1x16384"], help="BATCHxLEN (default: "
-                   "16x1024 4x4096 1x16384)")
+    p.add_argument("--shapes", nargs="+", type=batch_by_length, default=[(16, 1024), (4, 4096), (1, 16384)],
+                   help="BATCHxLEN (default: 16x1024 4x4096 1x16384)")
     p.add_argument("--iters", type=int, default=30, help="timed calls per kernel (median reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
@@ -246,16 +254,11 @@ def main(argv=None) -> int:
         print("attnforge bench prefill: needs a CUDA device", file=sys.stderr)
         return 2
     try:
-        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
-    except ValueError:
-        print(f"--shapes: expected BATCHxLEN items, got {args.shapes}", file=sys.stderr)
-        return 2
-    try:
         verify()
     except AssertionError as exc:
         print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
         return 1
-    rows = [measure(b, n, causal, args) for b, n in shapes for causal in (False, True)]
+    rows = [measure(b, n, causal, args) for b, n in args.shapes for causal in (False, True)]
     copy_gbps = copy_bandwidth_gbps()
     decode = [] if args.no_decode else decode_rows(args, copy_gbps)
     print(markdown(rows, decode, copy_gbps))

@@ -150,6 +150,11 @@ def test_plan_packed_mask_wrong_size(base):
         plan_ragged(base, packed_custom_mask=torch.ones(3, dtype=torch.uint8))
 
 
+def test_plan_fp16_qk_reduction_is_refused(base):
+    with raises(ValueError, "use_fp16_qk_reduction", "fp32"):
+        plan_ragged(base, use_fp16_qk_reduction=True)
+
+
 def test_plan_causal_with_custom_mask(base):
     bits = sum(a * b for a, b in zip(QO_LENS, KV_LENS))
     with raises(ValueError, "causal", "custom mask"):
