@@ -1,17 +1,20 @@
 """Batch decode benchmark: attnforge vs the copy bandwidth and torch SDPA, same run.
 
-    python -m attnforge.benchmarks.decode [--batch 1 16 64 256] [--kv-len 1024 4096 16384] [--out F.json]
+    python -m attnforge.benchmarks.decode [--batch 1 16 64 256] [--kv-len 1024 4096 16384]
+        [--kv-dtype bf16 e4m3 e5m2] [--out F.json]
 
-Shape (the acceptance config): bf16, 32 query / 8 kv heads, head_dim 128, page size 16,
-every request of the batch kv_len tokens long, pages scattered over the pool at random.
+Shape (the acceptance config): bf16 q, 32 query / 8 kv heads, head_dim 128, page size 16,
+every request of the batch kv_len tokens long, pages scattered over the pool at random. The KV
+cache is bf16 or, with --kv-dtype, fp8 (e4m3 / e5m2, dequantized in the kernel); several kv dtypes
+run in one process and fp8 rows report their speed-up over the bf16 row of the same shape.
 
 Method: each kernel is timed with CUDA events around every call, after warm-up; the
 median over the iterations is reported. No L2 flush by default (the K/V read per call is
 4 MB to 17 GB against a 50-60 MB L2, so only the smallest cases can hit; --flush-l2 writes
 a 512 MB buffer between calls, outside the timed region). GB/s counts the bytes a decode
-must move once: q + K + V + o. The copy bandwidth is a ~4 GB device-to-device tensor copy
-in the same process, counting read + write bytes. The SDPA peers get a dense
-[B, Hkv, L, D] cache holding the same contents as the paged one.
+must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy bandwidth is a ~4 GB device-to-device tensor copy
+in the same process, counting read + write bytes. The SDPA peers get a dense bf16
+[B, Hkv, L, D] cache holding the same contents as the paged one; they run on the bf16 rows only.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ NUM_KV_HEADS = 8
 HEAD_DIM = 128
 PAGE_SIZE = 16
 DTYPE = torch.bfloat16
-BYTES = 2  # per bf16 element
+KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 PLAN_BATCHES = (1, 64, 256)
 PLAN_KV_LEN = 4096
 
@@ -43,6 +46,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="attnforge bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes (default: 1 16 64 256)")
     p.add_argument("--kv-len", type=int, nargs="+", default=[1024, 4096, 16384], help="kv length of every request")
+    p.add_argument("--kv-dtype", nargs="+", choices=sorted(KV_DTYPES), default=["bf16"],
+                   help="KV cache dtypes, each timed on every shape (default: bf16)")
     p.add_argument("--layout", choices=["NHD", "HND"], default="NHD", help="paged cache layout (default NHD)")
     p.add_argument("--iters", type=int, default=100, help="timed calls per kernel (median reported)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
@@ -60,16 +65,21 @@ def parse_args(argv):
 @dataclass
 class Problem:
     q: torch.Tensor  # [B, Hq, D]
-    cache: tuple  # (k, v) paged, NHD [P, page, Hkv, D] or HND [P, Hkv, page, D]
+    cache: tuple  # (k, v) paged, NHD [P, page, Hkv, D] or HND [P, Hkv, page, D], in the kv dtype
     indptr: torch.Tensor  # [B + 1] int32 host
     indices: torch.Tensor  # int32 device, a random subset of the pool
     last_page_len: torch.Tensor  # [B] int32 host
-    dense_k: torch.Tensor  # [B, Hkv, L, D], what SDPA reads
+    dense_k: torch.Tensor  # [B, Hkv, L, D] bf16, what SDPA reads: the cache's values
     dense_v: torch.Tensor
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.cache[0].dtype
+
+    @property
     def bytes_moved(self) -> int:
-        return BYTES * (2 * self.q.numel() + self.dense_k.numel() + self.dense_v.numel())
+        kv_bytes = self.cache[0].element_size() * (self.dense_k.numel() + self.dense_v.numel())
+        return self.q.element_size() * 2 * self.q.numel() + kv_bytes
 
 
 def page_table(batch: int, kv_len: int, pool_pages: int, gen):
@@ -89,10 +99,12 @@ def to_pages(dense: torch.Tensor, layout: str) -> torch.Tensor:
     return by_page.reshape(b * pages, *by_page.shape[2:])  # copies: the pages become contiguous
 
 
-def make_problem(batch: int, kv_len: int, layout: str, seed: int = 0) -> Problem:
+def make_problem(batch: int, kv_len: int, layout: str, kv_dtype: torch.dtype = DTYPE, seed: int = 0) -> Problem:
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    # rounded through the kv dtype, so the bf16 dense copy holds exactly the cache's values
     dense_k, dense_v = (
-        torch.randn(batch, NUM_KV_HEADS, kv_len, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen) for _ in "kv"
+        torch.randn(batch, NUM_KV_HEADS, kv_len, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen).to(kv_dtype).to(DTYPE)
+        for _ in "kv"
     )
     pool = batch * math.ceil(kv_len / PAGE_SIZE) + 64  # spare pages, so the table is a true subset
     indptr, indices, last = page_table(batch, kv_len, pool, torch.Generator().manual_seed(seed))
@@ -102,7 +114,7 @@ def make_problem(batch: int, kv_len: int, layout: str, seed: int = 0) -> Problem
         paged = torch.randn(pool, *pages.shape[1:], dtype=DTYPE, device="cuda", generator=gen)
         paged.index_copy_(0, indices.long(), pages)
         del pages
-        cache.append(paged)
+        cache.append(paged.to(kv_dtype))  # exact: the pages hold kv_dtype values already
     q = torch.randn(batch, NUM_QO_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
     return Problem(q, tuple(cache), indptr, indices, last, dense_k, dense_v)
 
@@ -122,7 +134,7 @@ def attnforge_decode(problem: Problem, layout: str):
     )
     wrapper.plan(
         problem.indptr, problem.indices, problem.last_page_len,
-        NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=DTYPE, kv_data_type=DTYPE,
+        NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=DTYPE, kv_data_type=problem.kv_dtype,
     )
     out = torch.empty_like(problem.q)
     return (lambda: wrapper.run(problem.q, problem.cache, out=out)), out
@@ -140,7 +152,7 @@ def sdpa_decode(problem: Problem, backend):
         except (RuntimeError, TypeError):
             # backend without GQA support: give it explicitly repeated kv heads, if they fit
             group = NUM_QO_HEADS // NUM_KV_HEADS
-            need = 2 * k.numel() * BYTES * group
+            need = 2 * k.numel() * k.element_size() * group
             if need > 0.8 * torch.cuda.mem_get_info()[0]:
                 raise RuntimeError(f"no enable_gqa and repeated kv heads need {need / 2**30:.1f} GiB")
             k, v, gqa = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False
@@ -159,6 +171,7 @@ def sdpa_decode(problem: Problem, backend):
 
 @dataclass
 class Row:
+    kv_dtype: str
     batch: int
     kv_len: int
     us: float
@@ -167,6 +180,7 @@ class Row:
     cudnn_us: float | None
     flash_us: float | None
     ratio_vs_cudnn: float | None
+    speedup_vs_bf16_kv: float | None = None
     notes: str = ""
 
 
@@ -177,25 +191,26 @@ def verify(problem: Problem, layout: str) -> None:
     run, out = attnforge_decode(problem, layout)
     out.fill_(math.nan)
     run()
+    cache = tuple(c.to(DTYPE) for c in problem.cache)  # exact for fp8; the reference gathers 16-bit pages
     o_ref, _ = reference.batch_decode_paged(
-        problem.q, problem.cache, problem.indptr, problem.indices, problem.last_page_len, kv_layout=layout
+        problem.q, cache, problem.indptr, problem.indices, problem.last_page_len, kv_layout=layout
     )
     err = (out.float() - o_ref).abs().max().item()
     if not math.isfinite(err) or err > 2e-2:
         raise AssertionError(f"attnforge decode disagrees with the reference: max |error| = {err}")
 
 
-def measure(batch: int, kv_len: int, args, copy_gbps: float, flush) -> Row:
+def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush) -> Row:
     from torch.nn.attention import SDPBackend
 
-    problem = make_problem(batch, kv_len, args.layout)
+    problem = make_problem(batch, kv_len, args.layout, KV_DTYPES[kv_name])
     run, out = attnforge_decode(problem, args.layout)
     us = time_cuda_us(run, args.iters, args.warmup, flush)
     gbps = problem.bytes_moved / (us * 1e3)
     peers, notes = {}, []
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         peers[name] = None
-        if args.no_peers:
+        if args.no_peers or kv_name != "bf16":
             continue
         try:
             peer_run, peer_out = sdpa_decode(problem, backend)
@@ -209,7 +224,7 @@ def measure(batch: int, kv_len: int, args, copy_gbps: float, flush) -> Row:
     del problem
     torch.cuda.empty_cache()
     return Row(
-        batch, kv_len, us, gbps, 100.0 * gbps / copy_gbps, peers["cudnn"], peers["flash"],
+        kv_name, batch, kv_len, us, gbps, 100.0 * gbps / copy_gbps, peers["cudnn"], peers["flash"],
         us / peers["cudnn"] if peers["cudnn"] else None, "; ".join(notes),
     )
 
@@ -251,13 +266,15 @@ def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float
         f"copy bandwidth (D2D, read+write): {copy_gbps:.0f} GB/s; first plan+run (includes the module "
         f"build when not cached): {first_call_s:.1f} s",
         "",
-        "| batch | kv len | time (µs) | GB/s | % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) | ours / cuDNN | notes |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| kv dtype | batch | kv len | time (µs) | GB/s | % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) "
+        "| ours / cuDNN | speed-up vs bf16 KV | notes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r.batch} | {r.kv_len} | {r.us:.1f} | {r.gbps:.0f} | {r.pct_copy_bw:.1f} | {_fmt(r.cudnn_us)} | "
-            f"{_fmt(r.flash_us)} | {_fmt(r.ratio_vs_cudnn, '.3f')} | {r.notes} |"
+            f"| {r.kv_dtype} | {r.batch} | {r.kv_len} | {r.us:.1f} | {r.gbps:.0f} | {r.pct_copy_bw:.1f} | "
+            f"{_fmt(r.cudnn_us)} | {_fmt(r.flash_us)} | {_fmt(r.ratio_vs_cudnn, '.3f')} | "
+            f"{_fmt(r.speedup_vs_bf16_kv, '.2f')} | {r.notes} |"
         )
     if plans:
         lines += ["", f"| batch | plan() host time (µs, median, kv len {PLAN_KV_LEN}) |", "| ---: | ---: |"]
@@ -272,12 +289,14 @@ def main(argv=None) -> int:
         return 2
     configs = [(b, n) for b in args.batch for n in args.kv_len]
 
-    # correctness first, on the smallest config; its wall time also shows the cold build
+    # correctness first, on the smallest config of each kv dtype; the wall time also shows the cold builds
     t0 = time.perf_counter()
+    smallest = min(configs, key=lambda c: c[0] * c[1])
     try:
-        verify(make_problem(*min(configs, key=lambda c: c[0] * c[1]), args.layout), args.layout)
+        for kv_name in args.kv_dtype:
+            verify(make_problem(*smallest, args.layout, KV_DTYPES[kv_name]), args.layout)
     except AssertionError as exc:
-        print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
+        print(f"CORRECTNESS CHECK FAILED ({kv_name} KV), not timing: {exc}", file=sys.stderr)
         return 1
     first_call_s = time.perf_counter() - t0
     torch.cuda.empty_cache()
@@ -285,7 +304,11 @@ def main(argv=None) -> int:
     copy_gbps = copy_bandwidth_gbps()
     flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device="cuda") if args.flush_l2 else None
     flush = flush_buf.zero_ if flush_buf is not None else None
-    rows = [measure(b, n, args, copy_gbps, flush) for b, n in configs]
+    rows = [measure(kv, b, n, args, copy_gbps, flush) for kv in args.kv_dtype for b, n in configs]
+    bf16_us = {(r.batch, r.kv_len): r.us for r in rows if r.kv_dtype == "bf16"}
+    for r in rows:
+        if r.kv_dtype != "bf16" and (r.batch, r.kv_len) in bf16_us:
+            r.speedup_vs_bf16_kv = bf16_us[(r.batch, r.kv_len)] / r.us
     plans = {} if args.no_plan else {b: plan_host_us(b, args.layout) for b in PLAN_BATCHES}
 
     print(markdown(rows, copy_gbps, plans, first_call_s))
@@ -293,7 +316,7 @@ def main(argv=None) -> int:
         report = dict(
             device=torch.cuda.get_device_name(),
             torch=torch.__version__,
-            shape=dict(dtype="bfloat16", num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
+            shape=dict(dtype="bfloat16", kv_dtypes=args.kv_dtype, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
                        head_dim=HEAD_DIM, page_size=PAGE_SIZE, layout=args.layout),
             method=dict(timer="CUDA events per call, median", iters=args.iters, warmup=args.warmup,
                         l2_flush=args.flush_l2, bytes="q + K + V + o", copy="4 GiB D2D copy, read + write"),

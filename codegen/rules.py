@@ -168,12 +168,6 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.kind is Kind.DECODE and s.fp16_qk_reduction,
     ),
     Rule(
-        "decode-fp8-kv-not-built",
-        "the decode kernel does not yet dequantize an fp8 KV cache ({s.dtype_kv.short})",
-        "use a bf16/fp16 KV cache for decode",
-        lambda s: s.kind is Kind.DECODE and s.dtype_kv.is_fp8,
-    ),
-    Rule(
         "fa3-fp8-not-built",
         "the fa3 kernels of this version take bf16/fp16 q and kv; q is {s.dtype_q.short}, kv {s.dtype_kv.short}",
         "use a bf16/fp16 query and KV cache with fa3",

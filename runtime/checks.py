@@ -109,11 +109,13 @@ def run_extras(planned_window_left: int, enable_pdl, window_left, sinks, kernel:
 
 
 def scale(value, name: str) -> float | None:
-    """A per-tensor scale given as a Python number (tensor scales arrive with fp8 kernels)."""
+    """A per-tensor scale given as a Python number: the fa2 kernels (fp8 KV cache included) take
+    float calibration scales; tensor (per-head) scales belong to the fa3 fp8 path."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        raise ValueError(f"{name}: tensor scales are only supported with an fp8 KV cache; pass a float")
+        raise ValueError(f"{name}: tensor scales are for the fa3 fp8 path (fp8 query and KV cache); "
+                         f"this kernel takes a float, got a tensor of shape {tuple(value.shape)}")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}: expected a positive float or None, got {value!r}")
     return float(value)

@@ -27,7 +27,7 @@ def test_generate_refused_spec_writes_nothing(tmp_path, capsys):
             "--head-dim", "128", "--out", str(tmp_path / "out")]
     assert main(args) == 2
     out = capsys.readouterr().out
-    assert "decode-is-fa2" in out and "decode-fp8-kv-not-built" in out
+    assert "decode-is-fa2" in out and "fa3-fp8-kv-needs-fp8-q" in out
     assert not (tmp_path / "out").exists()
 
 

@@ -34,7 +34,6 @@ EXAMPLES = {
     "decode-no-custom-mask": dict(use_custom_mask=True),
     "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
     "decode-no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
-    "decode-fp8-kv-not-built": dict(dtype_kv=DType.E5M2),
     "fa3-fp8-not-built": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3),
     "prefill-fp8-kv-not-built": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3),
     "prefill-no-fp16-qk-reduction": dict(kind=Kind.PREFILL, dtype_q=DType.FP16, dtype_kv=DType.FP16,
@@ -89,6 +88,17 @@ def test_fa3_refuses_fp8_kv_with_16bit_q_but_fa2_does_not(decode_spec, dtype_q, 
     fa2 = replace(base, backend=Backend.FA2, archs=(Arch.SM80,))
     assert "fa3-fp8-kv-needs-fp8-q" in [r.id for r in check(fa3)]
     assert "fa3-fp8-kv-needs-fp8-q" not in [r.id for r in check(fa2)]
+
+
+@pytest.mark.parametrize("dtype_q", [DType.BF16, DType.FP16])
+@pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("arch", [Arch.SM80, Arch.SM90A])
+def test_fa2_decode_accepts_a_16bit_query_with_an_fp8_cache(decode_spec, dtype_q, dtype_kv, head_dim, arch):
+    """The CUDA-core decode kernel dequantizes fp8 K/V on load (issue 5, FlashInfer's fa2 fallback)."""
+    spec = replace(decode_spec, dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_q, head_dim_qk=head_dim,
+                   head_dim_vo=head_dim, archs=(arch,))
+    assert check(spec) == []
 
 
 def test_fa3_accepts_fp8_kv_with_the_same_fp8_q(decode_spec):

@@ -26,8 +26,8 @@ from attnforge.loader import ModuleLoadError, load_uncached, open_library
 pytestmark = pytest.mark.nvcc
 
 
-def decode_spec(archs, head_dim: int = 128) -> KernelSpec:
-    return KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
+def decode_spec(archs, head_dim: int = 128, dtype_kv: DType = DType.BF16) -> KernelSpec:
+    return KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=dtype_kv,
                       dtype_o=DType.BF16, head_dim_qk=head_dim, head_dim_vo=head_dim, archs=archs)
 
 
@@ -37,6 +37,8 @@ def prefill_spec(archs) -> KernelSpec:
 
 
 SPECS = {"sm80": decode_spec((Arch.SM80,)), "sm90a": decode_spec((Arch.SM90A,)),
+         "fp8_kv_sm80": decode_spec((Arch.SM80,), dtype_kv=DType.E4M3),
+         "fp8_kv_sm90a": decode_spec((Arch.SM90A,), dtype_kv=DType.E4M3),
          "prefill_sm80": prefill_spec((Arch.SM80,)), "prefill_sm90a": prefill_spec((Arch.SM90A,)),
          "fa3_sm90a": replace(prefill_spec((Arch.SM90A,)), backend=Backend.FA3)}
 

@@ -85,7 +85,7 @@ def test_scale_names_argument_and_value(value):
 
 
 def test_scale_refuses_tensor_and_accepts_numbers():
-    _raises(ValueError, checks.scale, torch.tensor(2.0), "k_scale", contains=("k_scale", "tensor scales", "fp8"))
+    _raises(ValueError, checks.scale, torch.tensor(2.0), "k_scale", contains=("k_scale", "tensor scales", "fa3 fp8", "float"))
     assert checks.scale(None, "q_scale") is None
     assert checks.scale(2, "q_scale") == 2.0 and isinstance(checks.scale(2, "q_scale"), float)
 

@@ -1,10 +1,12 @@
 // Role: 16-byte vector moves between global/shared memory and fp32 registers.
-// Contract: a "vector" is one uint4 holding 8 16-bit elements (half or __nv_bfloat16).
+// Contract: a "vector" is one uint4 holding kElems elements: 8 of a 16-bit type (half,
+// __nv_bfloat16) or 16 of an fp8 type (__nv_fp8_e4m3, __nv_fp8_e5m2; read-only: no kernel writes fp8).
 // Must not: know about attention; it is plain data movement and conversion.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cstdint>
 
 namespace attnforge::common {
@@ -54,5 +56,82 @@ struct Vec16<__nv_bfloat16> {
     return raw;
   }
 };
+
+// fp8 -> fp32 through fp16, which holds every e4m3 and e5m2 value exactly (subnormals included).
+// Each 32-bit word of four fp8 bytes becomes two half2 by a byte permute that puts each byte in
+// the high byte of a 16-bit lane: for e5m2 that already is the fp16 of the same value (e5m2 is
+// fp16 without its low mantissa byte), NaN and inf included.
+__device__ __forceinline__ uint32_t fp8_pair_to_high_bytes(uint32_t word, int pair) {
+  return __byte_perm(word, 0u, pair == 0 ? 0x1404u : 0x3424u);  // bytes (2p, 2p+1) -> lanes (0, 1)
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ half2 fp8_pair_to_half2(uint32_t word, int pair);
+
+template <>
+__device__ __forceinline__ half2 fp8_pair_to_half2<__NV_E5M2>(uint32_t word, int pair) {
+  const uint32_t bits = fp8_pair_to_high_bytes(word, pair);
+  return *reinterpret_cast<const half2*>(&bits);
+}
+
+template <>
+__device__ __forceinline__ half2 fp8_pair_to_half2<__NV_E4M3>(uint32_t word, int pair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const auto bytes = static_cast<__nv_fp8x2_storage_t>(word >> (16 * pair));
+  return __half2(__nv_cvt_fp8x2_to_halfraw2(bytes, __NV_E4M3));  // one cvt per pair on sm89+
+#else
+  // No fp8 cvt before sm89, and the library's emulation costs registers the decode kernel has not
+  // got. Moving e4m3's 4 exponent and 3 mantissa bits below fp16's exponent field, sign kept,
+  // gives fp16 = value * 2^-8 (the biases differ by 8), normals and subnormals alike; * 2^8 is
+  // exact. (e4m3's NaN, 0x7f, would read as 480: a KV cache holds no NaN.)
+  const uint32_t high = fp8_pair_to_high_bytes(word, pair);
+  const uint32_t bits = (high & 0x80008000u) | ((high >> 1) & 0x3f803f80u);
+  return __hmul2(*reinterpret_cast<const half2*>(&bits), __floats2half2_rn(256.f, 256.f));
+#endif
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+struct Fp8Vec16 {
+  static constexpr int kElems = 16;
+  __device__ __forceinline__ static void to_float(const uint4& raw, float (&out)[16]) {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float2 f = __half22float2(fp8_pair_to_half2<kFormat>(words[i / 2], i % 2));
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+};
+
+template <>
+struct Vec16<__nv_fp8_e4m3> : Fp8Vec16<__NV_E4M3> {};
+
+template <>
+struct Vec16<__nv_fp8_e5m2> : Fp8Vec16<__NV_E5M2> {};
+
+// kN consecutive elements starting 16-byte aligned, as fp32: kN / kElems vector loads. Lets a
+// kernel size its per-thread columns by one dtype (the KV cache's) and move another (q, o) in them.
+template <typename T, int kN>
+__device__ __forceinline__ void load_float(const T* src, float (&out)[kN]) {
+  constexpr int kElems = Vec16<T>::kElems;
+  static_assert(kN % kElems == 0, "load_float: a whole number of 16-byte vectors");
+  const uint4* vectors = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int i = 0; i < kN / kElems; ++i) {
+    Vec16<T>::to_float(vectors[i], *reinterpret_cast<float(*)[kElems]>(out + i * kElems));
+  }
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void store_float(T* dst, const float (&in)[kN]) {
+  constexpr int kElems = Vec16<T>::kElems;
+  static_assert(kN % kElems == 0, "store_float: a whole number of 16-byte vectors");
+  uint4* vectors = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+  for (int i = 0; i < kN / kElems; ++i) {
+    vectors[i] = Vec16<T>::from_float(*reinterpret_cast<const float(*)[kElems]>(in + i * kElems));
+  }
+}
 
 }  // namespace attnforge::common

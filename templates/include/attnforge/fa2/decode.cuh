@@ -4,8 +4,11 @@
 //   grid  = (work_capacity * num_head_tiles, num_kv_heads); block = (kBdx, kBdy, kBdz), 128 threads.
 //   A CTA takes one planned work item (request, kv token range [begin, end)) for one kv head and
 //   up to kHeadsPerCta of the query heads that share it, so K/V are read once per group.
-//   Thread (tx, ty, tz): tx owns kVec consecutive elements of the head dim, ty a group of
-//   kHeadsPerThread query heads, tz one "token lane" that takes every kBdz-th row of a KV tile.
+//   Thread (tx, ty, tz): tx owns kVec consecutive elements of the head dim (one 16-byte vector of
+//   the KV cache: 8 bf16/fp16 or 16 fp8 elements; q and o, 16-bit, take kVec / 8 vectors), ty a
+//   group of kHeadsPerThread query heads, tz one "token lane" that takes every kBdz-th row of a KV tile.
+//   An fp8 cache is dequantized on load (fp8 -> fp32); its k_scale folds into score_scale on the
+//   host and v_scale multiplies o after the kernel.
 //   K/V tiles stream through a kStages-deep cp.async ring; page ids for the tile after next are
 //   fetched one iteration ahead so the gather never waits on the page table.
 //   Scores: the kBdx lanes of a row (a "lane group") reduce-scatter their partial dot products
@@ -16,7 +19,7 @@
 //   An empty range writes o = 0, lse = -inf. A page id outside [0, num_pages) never reaches
 //   memory: the CTA reads page 0 instead, writes NaN, and raises the plan's error word.
 //
-// Must not: decide anything about scheduling (the plan did) or know about dtypes beyond Vec16.
+// Must not: decide anything about scheduling (the plan did) or know about dtypes beyond common/vec.cuh.
 #pragma once
 
 #include <cstdint>
@@ -39,12 +42,14 @@ struct DecodeTraits {
   static constexpr int kHeadsPerCta = kHeadsPerCta_;
   static constexpr bool kSoftCap = kSoftCap_;
 
-  static constexpr int kVec = 16 / sizeof(DTypeKV);  // elements per 16-byte load
+  static constexpr int kVec = 16 / sizeof(DTypeKV);  // KV elements per 16-byte load
   static constexpr int kBdx = kHeadDim / kVec;       // threads spanning one KV row
   // A thread serves several heads so that each K/V element it loads and converts feeds all of
-  // them: the kernel is issue-bound long before it is bandwidth-bound otherwise. Four heads keep
-  // q and o (2 x 4 x kVec floats) in registers at 3+ CTAs per SM.
-  static constexpr int kHeadsPerThread = kHeadsPerCta < 4 ? kHeadsPerCta : 4;
+  // them: the kernel is issue-bound long before it is bandwidth-bound otherwise. q and o take
+  // 2 x kHeadsPerThread x kVec floats; capped at 2 x 32 they stay in registers under the
+  // 128-register bound of 4 CTAs per SM: four heads of a 16-bit cache, two of an fp8 one.
+  static constexpr int kMaxHeadsPerThread = 32 / kVec;
+  static constexpr int kHeadsPerThread = kHeadsPerCta < kMaxHeadsPerThread ? kHeadsPerCta : kMaxHeadsPerThread;
   static constexpr int kBdy = kHeadsPerCta / kHeadsPerThread;  // head groups per CTA
   static constexpr int kThreads = 128;
   static constexpr int kBdz = kThreads / (kBdx * kBdy);  // token lanes
@@ -58,8 +63,9 @@ struct DecodeTraits {
   static constexpr int kChunksPerTile = kTileTokens * kBdx;  // 16-byte chunks in one K (or V) tile
   static constexpr int kChunksPerThread = kChunksPerTile / kThreads;
 
-  static_assert(kHeadDim % (kVec * 8) == 0 && kBdx <= 32 && 32 % kBdx == 0,
+  static_assert(kHeadDim % kVec == 0 && kBdx <= 32 && 32 % kBdx == 0,
                 "decode-head-dims: a KV row must span a power-of-two number of lanes within a warp");
+  static_assert(kHeadsPerCta % kHeadsPerThread == 0, "decode heads: head groups must tile the CTA's heads");
   static_assert(kBdz >= 1 && kBdx * kBdy * kBdz == kThreads, "decode block: lanes must tile 128 threads");
   static_assert(kChunksPerThread >= 1 && kChunksPerTile % kThreads == 0,
                 "decode tile: every thread must issue the same number of 16-byte copies");
@@ -255,10 +261,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   float q[H][T::kVec];  // slot h: head h ^ owner.head (see ScoreOwner)
 #pragma unroll
   for (int h = 0; h < H; ++h) {
-    using QVec = common::Vec16<typename T::DTypeQ>;
     const int qo_head = kv_head * p.group_size + min(first_slot + (h ^ owner.head), p.group_size - 1);
     const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
-    QVec::to_float(*reinterpret_cast<const uint4*>(q_row + tx * T::kVec), q[h]);
+    common::load_float(q_row + tx * T::kVec, q[h]);
 #pragma unroll
     for (int e = 0; e < T::kVec; ++e) q[h][e] *= p.score_scale;
   }
@@ -380,7 +385,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     const float lse = bad_page ? NAN : (st[h].d > 0.f ? st[h].m + log2f(st[h].d) : common::kNegInf);
     if (slot < 0) {
       auto* o_row = static_cast<typename T::DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h;
-      *reinterpret_cast<uint4*>(o_row + tx * T::kVec) = common::Vec16<typename T::DTypeO>::from_float(out);
+      common::store_float(o_row + tx * T::kVec, out);
       if (p.lse != nullptr && tx == 0) static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] = lse;
     } else {
       const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
