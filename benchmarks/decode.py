@@ -225,7 +225,7 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
     torch.cuda.empty_cache()
     return Row(
         kv_name, batch, kv_len, us, gbps, 100.0 * gbps / copy_gbps, peers["cudnn"], peers["flash"],
-        us / peers["cudnn"] if peers["cudnn"] else None, "; ".join(notes),
+        us / peers["cudnn"] if peers["cudnn"] else None, notes="; ".join(notes),
     )
 
 

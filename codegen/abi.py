@@ -206,7 +206,7 @@ PREFILL_PARAMS = _struct(
     ("num_kv_heads", "int32_t", "kv heads"),
     ("group_size", "int32_t", "num_qo_heads / num_kv_heads"),
     ("page_size", "int32_t", "tokens per page (1 when ragged)"),
-    ("num_pages", "int32_t", "pages in the cache; a page id outside [0, num_pages) is flagged"),
+    ("num_pages", "int32_t", "pages in the cache; a page id outside [0, num_pages) is flagged (ragged: kv rows)"),
     ("work_capacity", "int32_t", "grid size in work items (static under CUDA graphs)"),
     ("row_capacity", "int32_t", "rows the merge kernel covers (static under CUDA graphs)"),
     ("causal", "int32_t", "1: key j is visible to query position p only if j <= p (bottom-right aligned)"),

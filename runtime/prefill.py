@@ -422,8 +422,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
                               plan.head_dim_vo, plan.dtype_kv, self._device)
         k_token, k_head = kv_cache.ragged_strides(k, self._kv_layout)
         v_token, v_head = kv_cache.ragged_strides(v, self._kv_layout)
-        return self._launch(q, k, v, (0, k_token, k_head), (0, v_token, v_head), 0, args, q_scale, k_scale, v_scale,
-                            out, lse, return_lse)
+        # A ragged cache is a paged one of one-token pages: num_pages carries its rows (fa3 boxes them by TMA).
+        return self._launch(q, k, v, (0, k_token, k_head), (0, v_token, v_head), plan.total_kv, args, q_scale, k_scale,
+                            v_scale, out, lse, return_lse)
 
     forward = run
 

@@ -268,6 +268,29 @@ def test_tensor_core_decode_equals_cuda_core_decode(group):
     torch.testing.assert_close(results[0][1], results[1][1], **LSE_TOL)
 
 
+@pytest.mark.parametrize("module", [PLAIN[0], FA3[0]], ids=["fa2", "fa3"])
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+@pytest.mark.parametrize("kv_len", [200, 256, 1000])
+def test_rows_outside_a_request_never_reach_it(module, paged, kv_len):
+    """Tiles read past a request's last key (the next request's ragged rows, the unused tail of
+    its last page) must not reach its output, even when those rows hold NaN."""
+    case = Case(module, qo_lens=[300, 7], kv_lens=[kv_len, 90], causal=False, paged=paged, layout="NHD",
+                page_size=16, num_kv_heads=2, group=4, seed=kv_len)
+    batch = build(case)
+    o_ref, lse_ref = run_reference(case, batch)
+    first_kv = case.kv_lens[0]
+    batch.k[first_kv:], batch.v[first_kv:] = math.nan, math.nan
+    for cache in batch.cache:  # NaN everywhere but request 0's keys
+        keep = cache[batch.page_ids[: batch.page_indptr[1]].long()].clone()
+        cache.fill_(math.nan)
+        cache[batch.page_ids[: batch.page_indptr[1]].long()] = keep
+        tail = cache[batch.page_ids[batch.page_indptr[1] - 1].long()]
+        tail[int(batch.last_page_len[0]):] = math.nan
+    out, lse = run_ours(case, batch)
+    rows = case.qo_lens[0]
+    assert_matches_reference(case, out[:rows], lse[:rows], o_ref[:rows], lse_ref[:rows])
+
+
 def test_causal_rows_before_their_keys_see_nothing():
     """qo_len > kv_len with causal: the first rows see no key (o = 0, lse = -inf), as FlashInfer."""
     case = Case(Module(), qo_lens=[40], kv_lens=[25], causal=True, paged=False, layout="NHD", page_size=1,

@@ -1,6 +1,6 @@
-// Role: FA3 batch prefill for Hopper (sm_90a): a producer warpgroup gathers K/V with cp.async into
-//   a 2-stage shared-memory ring, two consumer warpgroups run wgmma (QK^T SS, PV RS) and the
-//   online softmax in registers. Paged or ragged KV.
+// Role: FA3 batch prefill for Hopper (sm_90a): a producer warpgroup fills a 2-3 stage shared-memory
+//   ring with K/V tiles (ragged: TMA; paged: a cp.async gather), two consumer warpgroups run wgmma
+//   (QK^T SS, PV RS) and the online softmax in registers.
 //
 // Contract (/work/prefill-contract.md), the same plan image and params as fa2/prefill.cuh:
 //   grid = (work_capacity, num_kv_heads); block = 384 threads (warpgroup 0 produces, 1 and 2
@@ -9,9 +9,11 @@
 //   p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
 //   Q: the producer copies the tile once (cp.async; packed GQA rows are no TMA box) and arrives
 //   on q_full. K/V: for each kBlockN-token tile the producer waits for the stage's `empty`
-//   mbarrier, issues 16-byte cp.async copies (zero-filled past `end`; paged rows through a per-tile
-//   table of page offsets) and arms the stage's `full` mbarrier with cp.async.mbarrier.arrive, so
-//   consumers wait for the bytes themselves, not for the producer.
+//   mbarrier, then fills the stage and the `full` mbarrier counts the bytes, so consumers wait for
+//   the data itself, not for the producer. Ragged tiles that lie inside [begin, end) come by TMA
+//   (one thread, 64-dim boxes); the tile holding `end`, and every paged tile, is gathered with
+//   16-byte cp.async by the whole warpgroup (zero-filled past `end`, so P.V never meets another
+//   request's rows, which may hold anything; paged rows through a per-tile table of page offsets).
 //   Scores live in the base-2 domain: max and sum use s * sm_scale_log2, folded into the exp2
 //   FFMA (soft cap: s = soft_cap_log2 * tanh(s * sm_scale_log2), then a unit scale).
 //   Causal / window: [begin, end) is narrowed to the keys some row sees, so tiles past the
@@ -27,6 +29,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
@@ -39,6 +43,7 @@
 #include "../common/mma.cuh"
 #include "../common/plan_image.cuh"
 #include "../common/vec.cuh"
+#include "../host/tensor_map.h"
 
 namespace attnforge::fa3 {
 
@@ -67,6 +72,7 @@ struct PrefillTraits {
   static constexpr bool kPagedKV = kPagedKV_;
   static constexpr bool kSoftCap = kSoftCap_;
   static constexpr bool kSlidingWindow = kSlidingWindow_;
+  static constexpr bool kTmaKV = !kPagedKV;  // ragged K/V rows form a 3-D tensor TMA can box
 
   static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one 16-bit type");
   static_assert(sizeof(DTypeKV) == 2 && sizeof(DTypeO) == 2, "fa3 prefill dtypes: half or bf16 only");
@@ -96,7 +102,8 @@ struct PrefillTraits {
   static constexpr int kCellsVO = kHeadDimVO / 8;
 
   // K-major 128B-swizzled tiles for Q and K; V keeps its natural [kv, d] rows, which the PV wgmma
-  // reads as an MN-major B operand (16-bit types may be transposed by the descriptor).
+  // reads as an MN-major B operand (16-bit types may be transposed by the descriptor). Both tile
+  // rows first, so each 64-dim column block of a stage is one contiguous TMA box.
   using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimQK>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
@@ -104,7 +111,10 @@ struct PrefillTraits {
       cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimQK>, cute::Int<kStages>>{}));
   using SmemLayoutVt = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_MN_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<kHeadDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{}));
+      cute::Shape<cute::Int<kHeadDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDimQK * 2;
+  static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimVO * 2;
 
   // One 64-row wgmma per consumer warpgroup, the two stacked along M.
   using TiledMmaQK = decltype(cute::make_tiled_mma(
@@ -131,8 +141,16 @@ struct PrefillTraits {
   static_assert(kSmemBytes <= 227 * 1024, "fa3 prefill smem: Q + 2 stages of K and V exceed 227 KB");
 };
 
+// What the kernel receives: the module's params and, for ragged KV, the TMA descriptors of K and V
+// (encoded per launch, since they hold the tensors' addresses).
+template <typename T>
+struct KernelArgs {
+  typename T::Params p;
+  CUtensorMap k_rows, v_rows;
+};
+
 // Named barrier ids (0 is __syncthreads).
-constexpr int kBarrierProducer = 1;  // the producer warpgroup's paged-offset table is written
+constexpr int kBarrierProducer = 1;  // the producer warpgroup among itself (page table written, gathered copies issued)
 
 // The CTA's share of one work item, as both roles derive it from the plan.
 struct WorkTile {
@@ -253,12 +271,51 @@ __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename 
   }
 }
 
+// Ragged tile strictly inside [begin, end): one thread boxes each 64-dim column block of K, then
+// of V, into the stage; the `full` barriers expect their bytes.
 template <typename T>
-__device__ __forceinline__ void produce(typename T::SharedStorage& smem, const typename T::Params& p, const int32_t* plan,
+__device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem, const KernelArgs<T>& args, int stage,
+                                                 uint32_t free_phase, int kv_head, int row) {
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using Element = typename T::Element;
+  const auto evict_last = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);  // every q tile rereads K/V
+  Barrier::wait(&smem.k_empty[stage], free_phase);
+  Barrier::arrive_and_expect_tx(&smem.k_full[stage], T::kTmaBytesK);
+#pragma unroll
+  for (int col = 0; col < T::kHeadDimQK; col += host::kTmaBoxDim) {
+    auto* dst = reinterpret_cast<uint8_t*>(smem.k) + swizzled_offset<typename T::SmemLayoutK, Element>(0, col, stage);
+    cute::SM90_TMA_LOAD_3D::copy(&args.k_rows, &smem.k_full[stage], evict_last, dst, col, kv_head, row);
+  }
+  Barrier::wait(&smem.v_empty[stage], free_phase);
+  Barrier::arrive_and_expect_tx(&smem.v_full[stage], T::kTmaBytesV);
+#pragma unroll
+  for (int col = 0; col < T::kHeadDimVO; col += host::kTmaBoxDim) {
+    auto* dst = reinterpret_cast<uint8_t*>(smem.v) + swizzled_offset<typename T::SmemLayoutVt, Element>(col, 0, stage);
+    cute::SM90_TMA_LOAD_3D::copy(&args.v_rows, &smem.v_full[stage], evict_last, dst, col, kv_head, row);
+  }
+}
+
+// The whole warpgroup's cp.async copies into a stage are done: count them on `full`. Paged
+// barriers expect one arrival per producer thread; ragged ones one (the TMA thread's), so there
+// each thread's arrival is pre-counted and thread 0 supplies the one the barrier expects.
+template <typename T>
+__device__ __forceinline__ void arrive_gathered(uint64_t* full, int tid) {
+  if constexpr (T::kTmaKV) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(common::smem_addr(full)));
+    cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
+    if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
+  } else {
+    cp_async_arrive_noinc(full);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void produce(typename T::SharedStorage& smem, const KernelArgs<T>& args, const int32_t* plan,
                                         const WorkTile& w, const common::FastDivmod& group, int kv_head,
                                         bool& bad_page) {
   using DTypeKV = typename T::DTypeKV;
   using Barrier = cutlass::arch::ClusterBarrier;
+  const auto& p = args.p;
   const int tid = threadIdx.x;
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
   if (num_tiles == 0) return;  // consumers store zeros without waiting for anything
@@ -278,6 +335,18 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const t
     const int stage = n % T::kStages;
     const uint32_t free_phase = ((n / T::kStages) & 1) ^ 1;  // a fresh barrier counts as released
     const int first = w.begin + n * T::kBlockN;
+    if constexpr (T::kTmaKV) {
+      if (first + T::kBlockN <= w.end) {
+        if (tid / 32 == 0) {
+          if (cute::elect_one_sync()) load_kv_tile_tma<T>(smem, args, stage, free_phase, kv_head, kv_token_base + first);
+          __syncwarp();
+        }
+        continue;
+      }
+      // The tile holding `end`: warps 1-3 skipped every earlier tile, so they meet warp 0 here
+      // before waiting on a stage barrier whose phase parity only then means this tile.
+      cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
+    }
     // Table slot `stage` was last read for tile n - kStages; every producer thread has passed
     // tile n - 1's barrier since, so it is free.
     if constexpr (T::kPagedKV) {
@@ -297,12 +366,12 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const t
     load_kv_tile<T, T::kCellsQK>(k_smem, k_head, tid, row_offset(0, p.kv_stride_token), [&](int row, int cell) {
       return swizzled_offset<typename T::SmemLayoutK, typename T::Element>(row, cell * 8, stage);
     });
-    cp_async_arrive_noinc(&smem.k_full[stage]);
+    arrive_gathered<T>(&smem.k_full[stage], tid);
     Barrier::wait(&smem.v_empty[stage], free_phase);
     load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(1, p.v_stride_token), [&](int row, int cell) {
       return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * 8, row, stage);
     });
-    cp_async_arrive_noinc(&smem.v_full[stage]);
+    arrive_gathered<T>(&smem.v_full[stage], tid);
   }
   common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
 }
@@ -544,10 +613,10 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
     Barrier::arrive(&smem.k_empty[0]);
     softmax_tile(tSrS, 0, alpha);  // o is still zero: no rescale
     convert_p<T>(tSrS, tOrP);
+    if (num_tiles > 1) wait_full(&smem.k_full[1 % T::kStages], (1 / T::kStages) & 1);
 
     for (int n = 1; n < num_tiles; ++n) {
       const int stage = n % T::kStages, prev = (n - 1) % T::kStages;
-      wait_full(&smem.k_full[stage], (n / T::kStages) & 1);
       wait_full(&smem.v_full[prev], ((n - 1) / T::kStages) & 1);
       scheduler_wait(wg);
       issue_qk(tSrS, stage);
@@ -557,6 +626,10 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
       warpgroup_fence_operand(tSrS);
       Barrier::arrive(&smem.k_empty[stage]);
       softmax_tile(tSrS, n, alpha);
+      // The next K tile's wait sits between the softmax and the P.V wait on purpose: ptxas keeps
+      // a wgmma wait inside its basic block but hoists it to the block's top, where it would
+      // serialize the softmax behind the P.V wgmma; the wait loop is a block boundary.
+      if (n + 1 < num_tiles) wait_full(&smem.k_full[(n + 1) % T::kStages], ((n + 1) / T::kStages) & 1);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       Barrier::arrive(&smem.v_empty[prev]);
@@ -581,8 +654,9 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
 }
 
 template <typename T>
-__global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_constant__ typename T::Params p) {
+__global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_constant__ KernelArgs<T> args) {
   using Barrier = cutlass::arch::ClusterBarrier;
+  const auto& p = args.p;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   int32_t* plan = static_cast<int32_t*>(p.plan);
@@ -592,11 +666,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   const int kv_head = blockIdx.y;
 
   if (threadIdx.x == 0) {
+    if constexpr (T::kTmaKV) {
+      cute::prefetch_tma_descriptor(&args.k_rows);
+      cute::prefetch_tma_descriptor(&args.v_rows);
+    }
     Barrier::init(&smem.q_full, T::kProducerThreads);
+    constexpr int kFullArrivals = T::kTmaKV ? 1 : T::kProducerThreads;
 #pragma unroll
     for (int s = 0; s < T::kStages; ++s) {
-      Barrier::init(&smem.k_full[s], T::kProducerThreads);
-      Barrier::init(&smem.v_full[s], T::kProducerThreads);
+      Barrier::init(&smem.k_full[s], kFullArrivals);
+      Barrier::init(&smem.v_full[s], kFullArrivals);
       Barrier::init(&smem.k_empty[s], T::kConsumerThreads);
       Barrier::init(&smem.v_empty[s], T::kConsumerThreads);
     }
@@ -609,7 +688,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   if (threadIdx.x < T::kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     bool bad_page = false;
-    produce<T>(smem, p, plan, w, group, kv_head, bad_page);
+    produce<T>(smem, args, plan, w, group, kv_head, bad_page);
     bad_page = __syncthreads_or(bad_page);  // pairs with the consumers'
     if (bad_page && threadIdx.x == 0) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
   } else {
@@ -624,12 +703,31 @@ cudaError_t prefill_set_smem() {
   return cudaFuncSetAttribute(prefill_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
 }
 
+// Ragged K and V as (dim, head, row) tensors boxed kBlockN rows at a time; p.num_pages holds their
+// rows (a ragged cache is a paged one of one-token pages).
+template <typename T>
+cudaError_t encode_kv_maps(KernelArgs<T>& args) {
+  const auto& p = args.p;
+  if (p.num_pages == 0) return cudaSuccess;  // no keys: no tile is ever loaded
+  const cudaError_t err = host::encode_rows_map(&args.k_rows, p.k, p.num_pages, p.num_kv_heads, T::kHeadDimQK,
+                                                p.kv_stride_token, p.kv_stride_head, T::kBlockN);
+  if (err != cudaSuccess) return err;
+  return host::encode_rows_map(&args.v_rows, p.v, p.num_pages, p.num_kv_heads, T::kHeadDimVO, p.v_stride_token,
+                               p.v_stride_head, T::kBlockN);
+}
+
 template <typename T>
 cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
-  const cudaError_t err = prefill_set_smem<T>();
+  cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
+  KernelArgs<T> args{};
+  args.p = p;
+  if constexpr (T::kTmaKV) {
+    err = encode_kv_maps<T>(args);
+    if (err != cudaSuccess) return err;
+  }
   const dim3 grid(p.work_capacity, p.num_kv_heads);
-  prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+  prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
