@@ -1,14 +1,16 @@
 """Batch prefill benchmark: attnforge FA2 and FA3 prefill (paged and ragged) vs torch SDPA, same run;
 and tensor-core vs CUDA-core decode.
 
-    python -m attnforge.benchmarks.prefill [--shapes 16x1024 4x4096 1x16384] [--out F.json]
+    python -m attnforge.benchmarks.prefill [--shapes 16x1024 4x4096 1x16384] [--head-dims 64 128 256]
+                                           [--out F.json]
 
-Prefill shape (the acceptance config): bf16, 32 query / 8 kv heads, head dim 128, every request
-L query tokens over the same L kv tokens, causal and non-causal; paged with page size 16 (pages
-scattered at random) and ragged. TFLOP/s counts 4 * B * L^2 * Hq * D, halved for causal.
+Prefill shape (the acceptance config): bf16, 32 query / 8 kv heads (head dim 256: 16 / 4), head
+dim 128 unless --head-dims says otherwise, every request L query tokens over the same L kv
+tokens, causal and non-causal; paged with page size 16 (pages scattered at random) and ragged.
+TFLOP/s counts 4 * B * L^2 * Hq * D, halved for causal.
 Peers: torch SDPA pinned to cuDNN and to FLASH_ATTENTION on dense [B, H, L, D] tensors holding
-the same contents. Decode: batch 64 x kv 4096, 8 kv heads, GQA groups 1, 4, 8, through
-BatchDecodeWithPagedKVCacheWrapper with use_tensor_cores False and True.
+the same contents. Decode: batch 64 x kv 4096, 8 kv heads, hd 128, GQA groups 1, 4, 8, through
+BatchDecodeWithPagedKVCacheWrapper on CUDA cores and on tensor cores (fa2, and fa3 on sm90).
 
 Method: CUDA events around each call, median after warm-up, no L2 flush.
 """
@@ -29,6 +31,7 @@ from ._timing import copy_bandwidth_gbps, time_cuda_us
 NUM_QO_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_DIM = 128
+HEADS_BY_HEAD_DIM = {64: (32, 8), 128: (32, 8), 256: (16, 4)}  # (query, kv) heads: the acceptance configs
 PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 WORKSPACE_BYTES = 256 << 20
@@ -49,6 +52,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="attnforge bench prefill", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", type=batch_by_length, default=[(16, 1024), (4, 4096), (1, 16384)],
                    help="BATCHxLEN (default: 16x1024 4x4096 1x16384)")
+    p.add_argument("--head-dims", nargs="+", type=int, choices=sorted(HEADS_BY_HEAD_DIM), default=[HEAD_DIM],
+                   help="head dims (default 128); 256 runs with 16 query / 4 kv heads")
     p.add_argument("--iters", type=int, default=30, help="timed calls per kernel (median reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
@@ -57,8 +62,23 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+@dataclass(frozen=True)
+class Heads:
+    qo: int
+    kv: int
+    dim: int
+
+    @staticmethod
+    def for_head_dim(dim: int) -> "Heads":
+        return Heads(*HEADS_BY_HEAD_DIM[dim], dim)
+
+
+ACCEPTANCE = Heads(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM)
+
+
 @dataclass
 class Problem:
+    heads: Heads
     q: torch.Tensor  # [B*L, Hq, D]
     k: torch.Tensor  # [B*L, Hkv, D] ragged
     v: torch.Tensor
@@ -69,24 +89,24 @@ class Problem:
     last_page_len: torch.Tensor
 
 
-def make_problem(batch: int, length: int, seed: int = 0) -> Problem:
+def make_problem(batch: int, length: int, h: Heads = ACCEPTANCE, seed: int = 0) -> Problem:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     total = batch * length
-    q, k, v = (torch.randn(total, heads, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
-               for heads in (NUM_QO_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+    q, k, v = (torch.randn(total, heads, h.dim, dtype=DTYPE, device="cuda", generator=gen)
+               for heads in (h.qo, h.kv, h.kv))
     indptr = torch.arange(0, total + 1, length, dtype=torch.int32)
     pages_per = -(-length // PAGE_SIZE)
     pool = batch * pages_per
     page_ids = torch.randperm(pool, device="cuda", generator=gen).to(torch.int32)
     cache = []
     for dense in (k, v):
-        padded = torch.zeros(batch, pages_per * PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        padded[:, :length] = dense.view(batch, length, NUM_KV_HEADS, HEAD_DIM)
-        paged = torch.empty(pool, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        paged.index_copy_(0, page_ids.long(), padded.view(pool, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM))
+        padded = torch.zeros(batch, pages_per * PAGE_SIZE, h.kv, h.dim, dtype=DTYPE, device="cuda")
+        padded[:, :length] = dense.view(batch, length, h.kv, h.dim)
+        paged = torch.empty(pool, PAGE_SIZE, h.kv, h.dim, dtype=DTYPE, device="cuda")
+        paged.index_copy_(0, page_ids.long(), padded.view(pool, PAGE_SIZE, h.kv, h.dim))
         cache.append(paged)
     last = torch.full((batch,), length - (pages_per - 1) * PAGE_SIZE, dtype=torch.int32)
-    return Problem(q, k, v, indptr, tuple(cache), torch.arange(0, pool + 1, pages_per, dtype=torch.int32),
+    return Problem(h, q, k, v, indptr, tuple(cache), torch.arange(0, pool + 1, pages_per, dtype=torch.int32),
                    page_ids, last)
 
 
@@ -96,14 +116,14 @@ def ours(problem: Problem, causal: bool, paged: bool, backend: str):
 
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     out = torch.empty_like(problem.q)
+    h = problem.heads
     if paged:
         wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend=backend)
-        wrapper.plan(problem.qo_indptr, problem.page_indptr, problem.page_ids, problem.last_page_len, NUM_QO_HEADS,
-                     NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, causal=causal, q_data_type=DTYPE)
+        wrapper.plan(problem.qo_indptr, problem.page_indptr, problem.page_ids, problem.last_page_len, h.qo, h.kv,
+                     h.dim, PAGE_SIZE, causal=causal, q_data_type=DTYPE)
         return (lambda: wrapper.run(problem.q, problem.cache, out=out)), out
     wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=backend)
-    wrapper.plan(problem.qo_indptr, problem.qo_indptr, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, causal=causal,
-                 q_data_type=DTYPE)
+    wrapper.plan(problem.qo_indptr, problem.qo_indptr, h.qo, h.kv, h.dim, causal=causal, q_data_type=DTYPE)
     return (lambda: wrapper.run(problem.q, problem.k, problem.v, out=out)), out
 
 
@@ -111,7 +131,7 @@ def sdpa(problem: Problem, batch: int, causal: bool, backend):
     from torch.nn.attention import sdpa_kernel
 
     def dense(x):  # [B*L, H, D] -> [B, H, L, D]
-        return x.view(batch, -1, x.shape[1], HEAD_DIM).transpose(1, 2)
+        return x.view(batch, -1, x.shape[1], x.shape[2]).transpose(1, 2)
 
     q, k, v = dense(problem.q), dense(problem.k), dense(problem.v)
 
@@ -126,6 +146,7 @@ def sdpa(problem: Problem, batch: int, causal: bool, backend):
 class Row:
     batch: int
     length: int
+    head_dim: int
     causal: bool
     paged_us: float
     ragged_us: float
@@ -157,11 +178,11 @@ def verify() -> None:
                                          f"reference: max |error| = {err}")
 
 
-def measure(batch: int, length: int, causal: bool, args) -> Row:
+def measure(batch: int, length: int, h: Heads, causal: bool, args) -> Row:
     from torch.nn.attention import SDPBackend
 
-    problem = make_problem(batch, length)
-    flops = 4 * batch * length * length * NUM_QO_HEADS * HEAD_DIM / (2 if causal else 1)
+    problem = make_problem(batch, length, h)
+    flops = 4 * batch * length * length * h.qo * h.dim / (2 if causal else 1)
     tflops = lambda us: flops / (us * 1e6)  # noqa: E731
     times, outs = {}, {}
     for backend in BACKENDS:
@@ -188,8 +209,12 @@ def measure(batch: int, length: int, causal: bool, args) -> Row:
     del problem
     torch.cuda.empty_cache()
     fa3 = {paged: tflops(times["fa3", paged]) if ("fa3", paged) in times else None for paged in (True, False)}
-    return Row(batch, length, causal, times["fa2", True], times["fa2", False], tflops(times["fa2", True]),
+    return Row(batch, length, h.dim, causal, times["fa2", True], times["fa2", False], tflops(times["fa2", True]),
                tflops(times["fa2", False]), fa3[True], fa3[False], peers["cudnn"], peers["flash"], "; ".join(notes))
+
+
+# (column, use_tensor_cores, backend) of the decode table
+DECODE_PATHS = (("cuda_cores", False, "auto"),) + tuple((f"tensor_cores_{b}", True, b) for b in BACKENDS)
 
 
 def decode_rows(args, copy_gbps: float) -> list[dict]:
@@ -211,40 +236,42 @@ def decode_rows(args, copy_gbps: float) -> list[dict]:
         q = torch.randn(DECODE_BATCH, heads, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
         row = {"group": group}
         outs = {}
-        for tensor_cores in (False, True):
+        for key, tensor_cores, backend in DECODE_PATHS:
             wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
-                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), use_tensor_cores=tensor_cores)
+                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), use_tensor_cores=tensor_cores,
+                backend=backend)
             wrapper.plan(indptr, page_ids, last, heads, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=DTYPE)
-            out = outs[tensor_cores] = torch.empty_like(q)
+            out = outs[key] = torch.empty_like(q)
             us = time_cuda_us(lambda: wrapper.run(q, cache, out=out), args.iters, args.warmup)
-            key = "tensor_cores" if tensor_cores else "cuda_cores"
             row[f"{key}_us"] = us
             row[f"{key}_pct_copy_bw"] = 100.0 * kv_bytes / (us * 1e3) / copy_gbps
-        row["max_abs_diff"] = (outs[True].float() - outs[False].float()).abs().max().item()
+        row["max_abs_diff"] = max((o.float() - outs["cuda_cores"].float()).abs().max().item() for o in outs.values())
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[Row], decode: list[dict], copy_gbps: float) -> str:
-    lines = ["| batch x len | causal | fa2 paged (µs) | fa2 ragged (µs) | fa2 paged TFLOP/s | fa2 ragged TFLOP/s | "
+    lines = ["| batch x len | head dim (q/kv heads) | causal | fa2 paged (µs) | fa2 ragged (µs) | fa2 paged TFLOP/s | fa2 ragged TFLOP/s | "
              "fa3 paged TFLOP/s | fa3 ragged TFLOP/s | SDPA cuDNN TFLOP/s | SDPA FLASH TFLOP/s | fa2 ragged / FLASH | "
              "fa2 paged / ragged time | notes |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     fmt = lambda x: f"{x:.1f}" if x is not None else "n/a"  # noqa: E731
     for r in rows:
         vs_flash = f"{r.ragged_tflops / r.flash_tflops:.2f}" if r.flash_tflops else "n/a"
-        lines.append(f"| {r.batch} x {r.length} | {'yes' if r.causal else 'no'} | {r.paged_us:.1f} | {r.ragged_us:.1f} | "
+        h = Heads.for_head_dim(r.head_dim)
+        lines.append(f"| {r.batch} x {r.length} | {r.head_dim} ({h.qo}/{h.kv}) | {'yes' if r.causal else 'no'} | {r.paged_us:.1f} | {r.ragged_us:.1f} | "
                      f"{r.paged_tflops:.1f} | {r.ragged_tflops:.1f} | {fmt(r.fa3_paged_tflops)} | "
                      f"{fmt(r.fa3_ragged_tflops)} | {fmt(r.cudnn_tflops)} | {fmt(r.flash_tflops)} | "
                      f"{vs_flash} | {r.paged_us / r.ragged_us:.3f} | {r.notes} |")
     if decode:
         lines += ["", f"Decode, batch {DECODE_BATCH} x kv {DECODE_KV_LEN}, {NUM_KV_HEADS} kv heads (copy bandwidth "
                   f"{copy_gbps:.0f} GB/s):", "",
-                  "| group | CUDA cores (µs) | % copy BW | tensor cores (µs) | % copy BW | max abs diff |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| group | " + " | ".join(f"{key.replace('_', ' ')} (µs) | % copy BW" for key, _, _ in DECODE_PATHS)
+                  + " | max abs diff |",
+                  "| ---: | " + " | ".join("---: | ---:" for _ in DECODE_PATHS) + " | ---: |"]
         for d in decode:
-            lines.append(f"| {d['group']} | {d['cuda_cores_us']:.1f} | {d['cuda_cores_pct_copy_bw']:.1f} | "
-                         f"{d['tensor_cores_us']:.1f} | {d['tensor_cores_pct_copy_bw']:.1f} | {d['max_abs_diff']:.2g} |")
+            cells = " | ".join(f"{d[f'{key}_us']:.1f} | {d[f'{key}_pct_copy_bw']:.1f}" for key, _, _ in DECODE_PATHS)
+            lines.append(f"| {d['group']} | {cells} | {d['max_abs_diff']:.2g} |")
     return "\n".join(lines)
 
 
@@ -258,7 +285,8 @@ def main(argv=None) -> int:
     except AssertionError as exc:
         print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
         return 1
-    rows = [measure(b, n, causal, args) for b, n in args.shapes for causal in (False, True)]
+    rows = [measure(b, n, Heads.for_head_dim(dim), causal, args)
+            for dim in args.head_dims for b, n in args.shapes for causal in (False, True)]
     copy_gbps = copy_bandwidth_gbps()
     decode = [] if args.no_decode else decode_rows(args, copy_gbps)
     print(markdown(rows, decode, copy_gbps))

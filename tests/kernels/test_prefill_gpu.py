@@ -85,7 +85,7 @@ def cases(draw, modules, max_batch: int = 8, max_qo: int = 2048, max_kv: int = 1
                for i, kv in enumerate(kv_lens)]
     return Case(
         module=module, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal, paged=draw(st.booleans()),
-        layout=draw(st.sampled_from(["NHD", "HND"])), page_size=draw(st.sampled_from([1, 5, 16, 64])),
+        layout=draw(st.sampled_from(["NHD", "HND"])), page_size=draw(st.sampled_from([1, 5, 8, 16, 64, 256])),
         num_kv_heads=draw(st.sampled_from([1, 2, 4])), group=draw(st.sampled_from([1, 2, 4, 5, 8])),
         window_left=draw(st.integers(0, 512)) if module.window else -1,
         soft_cap=draw(st.sampled_from([5.0, 30.0])) if module.soft_cap else None, seed=draw(st.integers(0, 2**31 - 1)))

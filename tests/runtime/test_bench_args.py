@@ -18,3 +18,24 @@ def test_prefill_shapes_refuse_malformed_items(bad, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--shapes" in err and "BATCHxLEN" in err and bad in err
+
+
+def test_prefill_head_dims_pick_the_acceptance_heads():
+    assert prefill.parse_args(["--head-dims", "64", "256"]).head_dims == [64, 256]
+    assert [prefill.Heads.for_head_dim(d) for d in (128, 256)] == [prefill.Heads(32, 8, 128), prefill.Heads(16, 4, 256)]
+
+
+def test_prefill_head_dims_refuse_unbenchmarked(capsys):
+    with pytest.raises(SystemExit):
+        prefill.parse_args(["--head-dims", "96"])
+    assert "--head-dims" in capsys.readouterr().err
+
+
+def test_prefill_markdown_has_a_column_pair_per_decode_path():
+    row = prefill.Row(4, 4096, 256, True, 10.0, 8.0, 1.0, 2.0, None, 3.0, None, None)
+    decode = [{"group": 4, "max_abs_diff": 0.0, **{f"{key}_{what}": 1.0 for key, _, _ in prefill.DECODE_PATHS
+                                                  for what in ("us", "pct_copy_bw")}}]
+    table = prefill.markdown([row], decode, 4000.0)
+    assert "| 4 x 4096 | 256 (16/4) | yes |" in table
+    header = next(line for line in table.splitlines() if line.startswith("| group |"))
+    assert header.count("% copy BW") == len(prefill.DECODE_PATHS)

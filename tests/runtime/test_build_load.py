@@ -236,3 +236,8 @@ def test_fa3_module_sass_holds_hgmma(built):
     assert result.returncode == 0, result.stderr
     sass = result.stdout
     assert "HGMMA" in sass
+    # ptxas may also serialize wgmma without a C7510 warning (a wait after every HGMMA, seen when a
+    # branch guarded the issue): each variant keeps its handful of batch waits.
+    for kernel in sass.split("Function : ")[1:]:
+        hgmma, waits = kernel.count("HGMMA."), kernel.count("WARPGROUP.DEPBAR")
+        assert hgmma == 0 or waits * 4 < hgmma, f"{kernel.split()[0]}: {waits} wgmma waits for {hgmma} HGMMA"

@@ -10,10 +10,12 @@
 //   Q: the producer copies the tile once (cp.async; packed GQA rows are no TMA box) and arrives
 //   on q_full. K/V: for each kBlockN-token tile the producer waits for the stage's `empty`
 //   mbarrier, then fills the stage and the `full` mbarrier counts the bytes, so consumers wait for
-//   the data itself, not for the producer. Ragged tiles that lie inside [begin, end) come by TMA
-//   (one thread, 64-dim boxes); the tile holding `end`, and every paged tile, is gathered with
-//   16-byte cp.async by the whole warpgroup (zero-filled past `end`, so P.V never meets another
-//   request's rows, which may hold anything; paged rows through a per-tile table of page offsets).
+//   the data itself, not for the producer. Tiles that lie inside [begin, end) come by TMA (one
+//   thread, 64-dim boxes): ragged ones whole, paged ones a page at a time when the page size is a
+//   multiple of 8 rows and the tile is whole pages (or lies in one page). The rest, always
+//   including the tile holding `end`, are gathered with 16-byte cp.async by the whole warpgroup
+//   (zero-filled past `end`, so P.V never meets rows past the request, which may hold anything;
+//   paged rows through a per-tile table of page offsets).
 //   Scores live in the base-2 domain: max and sum use s * sm_scale_log2, folded into the exp2
 //   FFMA (soft cap: s = soft_cap_log2 * tanh(s * sm_scale_log2), then a unit scale).
 //   Causal / window: [begin, end) is narrowed to the keys some row sees, so tiles past the
@@ -72,7 +74,6 @@ struct PrefillTraits {
   static constexpr bool kPagedKV = kPagedKV_;
   static constexpr bool kSoftCap = kSoftCap_;
   static constexpr bool kSlidingWindow = kSlidingWindow_;
-  static constexpr bool kTmaKV = !kPagedKV;  // ragged K/V rows form a 3-D tensor TMA can box
 
   static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one 16-bit type");
   static_assert(sizeof(DTypeKV) == 2 && sizeof(DTypeO) == 2, "fa3 prefill dtypes: half or bf16 only");
@@ -141,12 +142,14 @@ struct PrefillTraits {
   static_assert(kSmemBytes <= 227 * 1024, "fa3 prefill smem: Q + 2 stages of K and V exceed 227 KB");
 };
 
-// What the kernel receives: the module's params and, for ragged KV, the TMA descriptors of K and V
-// (encoded per launch, since they hold the tensors' addresses).
+// What the kernel receives: the module's params and the TMA descriptors of K and V (encoded per
+// launch, since they hold the tensors' addresses), viewed as (dim, row in page, head, page); a
+// ragged tensor is one page. box_rows: rows per box (0: no tile is boxed, all are gathered).
 template <typename T>
 struct KernelArgs {
   typename T::Params p;
-  CUtensorMap k_rows, v_rows;
+  CUtensorMap k_pages, v_pages;
+  int box_rows;
 };
 
 // Named barrier ids (0 is __syncthreads).
@@ -271,42 +274,65 @@ __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename 
   }
 }
 
-// Ragged tile strictly inside [begin, end): one thread boxes each 64-dim column block of K, then
-// of V, into the stage; the `full` barriers expect their bytes.
+// Whether the tile at `first` comes by TMA (the same answer in every producer thread).
 template <typename T>
-__device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem, const KernelArgs<T>& args, int stage,
-                                                 uint32_t free_phase, int kv_head, int row) {
+__device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const WorkTile& w, int first) {
+  if (args.box_rows == 0 || first + T::kBlockN > w.end) return false;
+  if constexpr (!T::kPagedKV) return true;
+  const int page_size = args.p.page_size;
+  return page_size <= T::kBlockN ? first % page_size == 0 : first % page_size + T::kBlockN <= page_size;
+}
+
+// Warp 0 boxes each 64-dim column block of K, then of V, into the stage: lane b the rows of box b
+// (a page, or the whole ragged tile), so the page ids are read in parallel; lane 0 arms the `full`
+// barriers with the tile's bytes first. A bad page id reads page 0 and raises `bad_page`, as in
+// the gather.
+template <typename T>
+__device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem, const KernelArgs<T>& args,
+                                                 const int32_t* page_ids, int kv_token_base, int first, int stage,
+                                                 uint32_t free_phase, int kv_head, bool& bad_page) {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   using Element = typename T::Element;
   const auto evict_last = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);  // every q tile rereads K/V
-  Barrier::wait(&smem.k_empty[stage], free_phase);
-  Barrier::arrive_and_expect_tx(&smem.k_full[stage], T::kTmaBytesK);
-#pragma unroll
-  for (int col = 0; col < T::kHeadDimQK; col += host::kTmaBoxDim) {
-    auto* dst = reinterpret_cast<uint8_t*>(smem.k) + swizzled_offset<typename T::SmemLayoutK, Element>(0, col, stage);
-    cute::SM90_TMA_LOAD_3D::copy(&args.k_rows, &smem.k_full[stage], evict_last, dst, col, kv_head, row);
+  const int lane = threadIdx.x % 32;
+  const int boxes = T::kPagedKV ? T::kBlockN / args.box_rows : 1;
+  const bool boxing = lane < boxes;
+  int in_page = kv_token_base + first, page = 0;
+  if (T::kPagedKV && boxing) {
+    const int token = first + lane * args.box_rows;
+    const int id = __ldg(page_ids + token / args.p.page_size);
+    const bool ok = static_cast<unsigned>(id) < static_cast<unsigned>(args.p.num_pages);
+    bad_page |= !ok;
+    in_page = token % args.p.page_size;
+    page = ok ? id : 0;
   }
-  Barrier::wait(&smem.v_empty[stage], free_phase);
-  Barrier::arrive_and_expect_tx(&smem.v_full[stage], T::kTmaBytesV);
+  auto load = [&](const CUtensorMap& map, uint8_t* tile, uint64_t* empty, uint64_t* full, uint32_t bytes, auto dims,
+                  auto smem_offset) {
+    Barrier::wait(empty, free_phase);
+    if (lane == 0) Barrier::arrive_and_expect_tx(full, bytes);
+    __syncwarp();
+    if (!boxing) return;
 #pragma unroll
-  for (int col = 0; col < T::kHeadDimVO; col += host::kTmaBoxDim) {
-    auto* dst = reinterpret_cast<uint8_t*>(smem.v) + swizzled_offset<typename T::SmemLayoutVt, Element>(col, 0, stage);
-    cute::SM90_TMA_LOAD_3D::copy(&args.v_rows, &smem.v_full[stage], evict_last, dst, col, kv_head, row);
-  }
+    for (int col = 0; col < dims; col += host::kTmaBoxDim) {
+      cute::SM90_TMA_LOAD_4D::copy(&map, full, evict_last, tile + smem_offset(lane * args.box_rows, col), col, in_page,
+                                   kv_head, page);
+    }
+  };
+  load(args.k_pages, reinterpret_cast<uint8_t*>(smem.k), &smem.k_empty[stage], &smem.k_full[stage], T::kTmaBytesK,
+       cute::Int<T::kHeadDimQK>{},
+       [&](int row, int col) { return swizzled_offset<typename T::SmemLayoutK, Element>(row, col, stage); });
+  load(args.v_pages, reinterpret_cast<uint8_t*>(smem.v), &smem.v_empty[stage], &smem.v_full[stage], T::kTmaBytesV,
+       cute::Int<T::kHeadDimVO>{},
+       [&](int row, int col) { return swizzled_offset<typename T::SmemLayoutVt, Element>(col, row, stage); });
 }
 
-// The whole warpgroup's cp.async copies into a stage are done: count them on `full`. Paged
-// barriers expect one arrival per producer thread; ragged ones one (the TMA thread's), so there
-// each thread's arrival is pre-counted and thread 0 supplies the one the barrier expects.
-template <typename T>
-__device__ __forceinline__ void arrive_gathered(uint64_t* full, int tid) {
-  if constexpr (T::kTmaKV) {
-    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(common::smem_addr(full)));
-    cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
-    if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
-  } else {
-    cp_async_arrive_noinc(full);
-  }
+// The whole warpgroup's cp.async copies into a stage are done: count them on `full`, which
+// expects one arrival (a TMA tile's is its thread's): each thread's copies are added to the
+// pending count, and thread 0 arrives once all have been.
+__device__ __forceinline__ void arrive_gathered(uint64_t* full, int producer_threads, int tid) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(common::smem_addr(full)));
+  cutlass::arch::NamedBarrier::sync(producer_threads, kBarrierProducer);
+  if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
 }
 
 template <typename T>
@@ -335,18 +361,16 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     const int stage = n % T::kStages;
     const uint32_t free_phase = ((n / T::kStages) & 1) ^ 1;  // a fresh barrier counts as released
     const int first = w.begin + n * T::kBlockN;
-    if constexpr (T::kTmaKV) {
-      if (first + T::kBlockN <= w.end) {
-        if (tid / 32 == 0) {
-          if (cute::elect_one_sync()) load_kv_tile_tma<T>(smem, args, stage, free_phase, kv_head, kv_token_base + first);
-          __syncwarp();
-        }
-        continue;
+    if (tile_is_boxed<T>(args, w, first)) {
+      if (tid / 32 == 0) {
+        load_kv_tile_tma<T>(smem, args, page_ids, kv_token_base, first, stage, free_phase, kv_head, bad_page);
+        __syncwarp();
       }
-      // The tile holding `end`: warps 1-3 skipped every earlier tile, so they meet warp 0 here
-      // before waiting on a stage barrier whose phase parity only then means this tile.
-      cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
+      continue;
     }
+    // Warps 1-3 skipped the boxed tiles, so they meet warp 0 here before waiting on a stage
+    // barrier whose phase parity only then means this tile.
+    cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
     // Table slot `stage` was last read for tile n - kStages; every producer thread has passed
     // tile n - 1's barrier since, so it is free.
     if constexpr (T::kPagedKV) {
@@ -366,12 +390,12 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     load_kv_tile<T, T::kCellsQK>(k_smem, k_head, tid, row_offset(0, p.kv_stride_token), [&](int row, int cell) {
       return swizzled_offset<typename T::SmemLayoutK, typename T::Element>(row, cell * 8, stage);
     });
-    arrive_gathered<T>(&smem.k_full[stage], tid);
+    arrive_gathered(&smem.k_full[stage], T::kProducerThreads, tid);
     Barrier::wait(&smem.v_empty[stage], free_phase);
     load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(1, p.v_stride_token), [&](int row, int cell) {
       return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * 8, row, stage);
     });
-    arrive_gathered<T>(&smem.v_full[stage], tid);
+    arrive_gathered(&smem.v_full[stage], T::kProducerThreads, tid);
   }
   common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
 }
@@ -528,6 +552,34 @@ __device__ __forceinline__ float transform_scores(const typename T::Params& p, c
   return scale;
 }
 
+// The consumer loop of `consume` with nothing but its barrier and pingpong traffic, in the same
+// order, for a warpgroup with no rows to compute.
+template <typename T>
+__device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem, int num_tiles, int wg) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  auto phase = [](int n) { return uint32_t((n / T::kStages) & 1); };
+  if (wg == 1) scheduler_pass(wg);
+  Barrier::wait(&smem.q_full, 0);
+  Barrier::wait(&smem.k_full[0], 0);
+  scheduler_wait(wg);
+  scheduler_pass(wg);
+  Barrier::arrive(&smem.k_empty[0]);
+  for (int n = 1; n < num_tiles; ++n) {
+    const int stage = n % T::kStages, prev = (n - 1) % T::kStages;
+    Barrier::wait(&smem.k_full[stage], phase(n));
+    Barrier::wait(&smem.v_full[prev], phase(n - 1));
+    scheduler_wait(wg);
+    scheduler_pass(wg);
+    Barrier::arrive(&smem.k_empty[stage]);
+    Barrier::arrive(&smem.v_empty[prev]);
+  }
+  const int last = (num_tiles - 1) % T::kStages;
+  Barrier::wait(&smem.v_full[last], phase(num_tiles - 1));
+  scheduler_wait(wg);
+  if (wg == 0) scheduler_pass(wg);
+  Barrier::arrive(&smem.v_empty[last]);
+}
+
 template <typename T>
 __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const typename T::Params& p, const int32_t* plan,
                                         const WorkTile& w, const common::FastDivmod& group, int kv_head) {
@@ -598,7 +650,12 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   // O += P_{n-1} V_{n-1} together, runs the softmax of S_n while the P.V wgmma is in flight, and
   // only then rescales O. Stage of tile n: n % 2; its barriers' phase: (n / 2) & 1.
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
-  if (num_tiles > 0) {
+  // A warpgroup whose 64 rows all lie past the tile's rows (decode, a request's last q tile) runs
+  // no GEMM: it only keeps the barrier and pingpong counts (a branch around the wgmma issue
+  // itself would make ptxas serialize every wgmma).
+  if (num_tiles > 0 && wg * (T::kBlockM / 2) >= w.rows) {
+    follow_pipeline<T>(smem, num_tiles, wg);
+  } else if (num_tiles > 0) {
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     Tensor tOrP = make_tensor<Element>(Shape<Shape<_2, _2, _2>, _1, Int<T::kBlockN / 16>>{});
     float alpha[2];
@@ -666,16 +723,15 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   const int kv_head = blockIdx.y;
 
   if (threadIdx.x == 0) {
-    if constexpr (T::kTmaKV) {
-      cute::prefetch_tma_descriptor(&args.k_rows);
-      cute::prefetch_tma_descriptor(&args.v_rows);
+    if (args.box_rows > 0) {
+      cute::prefetch_tma_descriptor(&args.k_pages);
+      cute::prefetch_tma_descriptor(&args.v_pages);
     }
     Barrier::init(&smem.q_full, T::kProducerThreads);
-    constexpr int kFullArrivals = T::kTmaKV ? 1 : T::kProducerThreads;
 #pragma unroll
     for (int s = 0; s < T::kStages; ++s) {
-      Barrier::init(&smem.k_full[s], kFullArrivals);
-      Barrier::init(&smem.v_full[s], kFullArrivals);
+      Barrier::init(&smem.k_full[s], 1);  // a TMA thread's or thread 0's for a gathered tile
+      Barrier::init(&smem.v_full[s], 1);
       Barrier::init(&smem.k_empty[s], T::kConsumerThreads);
       Barrier::init(&smem.v_empty[s], T::kConsumerThreads);
     }
@@ -703,17 +759,25 @@ cudaError_t prefill_set_smem() {
   return cudaFuncSetAttribute(prefill_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
 }
 
-// Ragged K and V as (dim, head, row) tensors boxed kBlockN rows at a time; p.num_pages holds their
-// rows (a ragged cache is a paged one of one-token pages).
+// K and V as (dim, row in page, head, page) tensors, boxed a page at a time (ragged: one page of
+// every row, boxed kBlockN rows at a time). Pages shorter than a tile must be a multiple of the
+// 8-row swizzle atom that divides it; other page sizes leave box_rows 0 and every tile gathered.
 template <typename T>
 cudaError_t encode_kv_maps(KernelArgs<T>& args) {
   const auto& p = args.p;
-  if (p.num_pages == 0) return cudaSuccess;  // no keys: no tile is ever loaded
-  const cudaError_t err = host::encode_rows_map(&args.k_rows, p.k, p.num_pages, p.num_kv_heads, T::kHeadDimQK,
-                                                p.kv_stride_token, p.kv_stride_head, T::kBlockN);
+  const int64_t page_size = T::kPagedKV ? p.page_size : p.num_pages;
+  const bool boxable = page_size >= T::kBlockN || (page_size % 8 == 0 && T::kBlockN % page_size == 0);
+  args.box_rows = p.num_pages > 0 && (boxable || !T::kPagedKV) ? int(std::min<int64_t>(page_size, T::kBlockN)) : 0;
+  if (args.box_rows == 0) return cudaSuccess;
+  const int64_t pages = T::kPagedKV ? p.num_pages : 1;
+  const int64_t k_page_stride = T::kPagedKV ? p.kv_stride_page : p.kv_stride_token * page_size;
+  const int64_t v_page_stride = T::kPagedKV ? p.v_stride_page : p.v_stride_token * page_size;
+  const cudaError_t err =
+      host::encode_pages_map(&args.k_pages, p.k, T::kHeadDimQK, page_size, p.num_kv_heads, pages, p.kv_stride_token,
+                             p.kv_stride_head, k_page_stride, args.box_rows);
   if (err != cudaSuccess) return err;
-  return host::encode_rows_map(&args.v_rows, p.v, p.num_pages, p.num_kv_heads, T::kHeadDimVO, p.v_stride_token,
-                               p.v_stride_head, T::kBlockN);
+  return host::encode_pages_map(&args.v_pages, p.v, T::kHeadDimVO, page_size, p.num_kv_heads, pages, p.v_stride_token,
+                                p.v_stride_head, v_page_stride, args.box_rows);
 }
 
 template <typename T>
@@ -722,10 +786,8 @@ cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   KernelArgs<T> args{};
   args.p = p;
-  if constexpr (T::kTmaKV) {
-    err = encode_kv_maps<T>(args);
-    if (err != cudaSuccess) return err;
-  }
+  err = encode_kv_maps<T>(args);
+  if (err != cudaSuccess) return err;
   const dim3 grid(p.work_capacity, p.num_kv_heads);
   prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
