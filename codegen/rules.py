@@ -174,12 +174,6 @@ RULES: tuple[Rule, ...] = (
         lambda s: _fa3(s) and (s.dtype_q.is_fp8 or s.dtype_kv.is_fp8),
     ),
     Rule(
-        "prefill-fp8-kv-not-built",
-        "the fa2 prefill kernel does not yet dequantize an fp8 KV cache ({s.dtype_kv.short})",
-        "use a bf16/fp16 KV cache for prefill",
-        lambda s: s.kind is Kind.PREFILL and s.backend is Backend.FA2 and s.dtype_kv.is_fp8,
-    ),
-    Rule(
         "prefill-no-fp16-qk-reduction",
         "the fa2 prefill kernel accumulates q.k in fp32 only",
         "turn fp16_qk_reduction off (fp32 accumulation is as fast on sm80+ tensor cores)",

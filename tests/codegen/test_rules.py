@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from attnforge.codegen.dtypes import DType
-from attnforge.codegen.rules import RULES, RULES_BY_ID, UnsupportedSpecError, check, ensure_valid
+from attnforge.codegen.rules import (FA2_PREFILL_HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
+                                      ensure_valid)
 from attnforge.codegen.spec import Arch, Backend, Kind, PosEncoding
 
 FA3 = dict(backend=Backend.FA3, kind=Kind.PREFILL, archs=(Arch.SM90A,))
@@ -35,7 +36,6 @@ EXAMPLES = {
     "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
     "decode-no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
     "fa3-fp8-not-built": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3),
-    "prefill-fp8-kv-not-built": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3),
     "prefill-no-fp16-qk-reduction": dict(kind=Kind.PREFILL, dtype_q=DType.FP16, dtype_kv=DType.FP16,
                                          fp16_qk_reduction=True),
 }
@@ -98,6 +98,19 @@ def test_fa2_decode_accepts_a_16bit_query_with_an_fp8_cache(decode_spec, dtype_q
     """The CUDA-core decode kernel dequantizes fp8 K/V on load (issue 5, FlashInfer's fa2 fallback)."""
     spec = replace(decode_spec, dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_q, head_dim_qk=head_dim,
                    head_dim_vo=head_dim, archs=(arch,))
+    assert check(spec) == []
+
+
+@pytest.mark.parametrize("dtype_q", [DType.BF16, DType.FP16])
+@pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("dims", sorted(FA2_PREFILL_HEAD_DIMS))
+@pytest.mark.parametrize("arch", [Arch.SM80, Arch.SM90A])
+def test_fa2_prefill_accepts_a_16bit_query_with_an_fp8_cache(decode_spec, dtype_q, dtype_kv, dims, arch):
+    """The tensor-core prefill kernel widens fp8 K/V to the query's type in shared memory (issue 5),
+    with every variant flag; so tensor-core decode takes an fp8 cache too."""
+    spec = replace(decode_spec, kind=Kind.PREFILL, dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_q,
+                   head_dim_qk=dims[0], head_dim_vo=dims[1], archs=(arch,), use_custom_mask=True,
+                   use_sliding_window=True, use_logits_soft_cap=True)
     assert check(spec) == []
 
 

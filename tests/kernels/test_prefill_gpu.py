@@ -3,7 +3,9 @@
 Shapes are drawn with hypothesis; kernel specs come from the short MODULES list (each build
 costs GPU-machine time). Everything that is a run-time argument varies: batch, ragged q and kv
 lengths, causal, page size, page table, layout, GQA group, window size, cap value, mask bits.
-Outputs are poisoned with NaN first; inputs are randn.
+Outputs are poisoned with NaN first; inputs are randn. An fp8 KV cache (e4m3 / e5m2 with a bf16/fp16
+query) is fp32 randn rounded to fp8, run with drawn k_scale / v_scale; its reference is fed the
+dequantized cache (fp8 value * scale, fp32), exactly the values the kernel must compute with.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ DEVICE = "cuda"
 WORKSPACE = 256 << 20
 O_TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=5e-3, rtol=5e-3)}
 LSE_TOL = dict(atol=1e-2, rtol=1e-3)
+# fp8 KV, o vs the fp32 reference: the kernel computes with the exact fp8 values, so what is left is
+# the 16-bit rounding of P and of o, plus one more of o by v_scale after the kernel. Relative L2 a few
+# times the output's rounding (2^-9 bf16, 2^-12 fp16, rms); max abs at most two ulps of the largest
+# dequantized V value, which bounds |o| and the rounding of P.V.
+FP8_REL_L2_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+FP8_MAX_ABS_ULPS = 2
 
 
 def gpu_settings(max_examples: int):
@@ -43,6 +51,11 @@ class Module:
     mask: bool = False
     pos: str = "NONE"
     backend: str = "fa2"
+    fp8_kv: torch.dtype | None = None  # the KV cache's fp8 dtype; None: the query's dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.fp8_kv or self.dtype
 
 
 PLAIN = [Module(), Module(head_dim_qk=64, head_dim_vo=64), Module(head_dim_qk=256, head_dim_vo=256),
@@ -51,6 +64,9 @@ VARIANTS = [Module(window=True), Module(head_dim_qk=256, head_dim_vo=256, soft_c
             Module(mask=True), Module(pos="ROPE_LLAMA"), Module(pos="ALIBI")]
 FA3 = [Module(backend="fa3"), Module(torch.float16, 64, 64, backend="fa3"), Module(head_dim_qk=256, head_dim_vo=256,
        backend="fa3"), Module(window=True, soft_cap=True, backend="fa3")]
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8 = [Module(fp8_kv=E4M3), Module(torch.float16, fp8_kv=E5M2), Module(fp8_kv=E5M2, head_dim_qk=64, head_dim_vo=64),
+       Module(fp8_kv=E4M3, head_dim_qk=256, head_dim_vo=256), Module(fp8_kv=E4M3, head_dim_qk=192)]
 
 
 @dataclass
@@ -67,6 +83,8 @@ class Case:
     window_left: int = -1
     soft_cap: float | None = None
     seed: int = 0
+    k_scale: float | None = None  # run()'s calibration scales (fp8 modules only)
+    v_scale: float | None = None
 
     @property
     def num_qo_heads(self) -> int:
@@ -88,7 +106,11 @@ def cases(draw, modules, max_batch: int = 8, max_qo: int = 2048, max_kv: int = 1
         layout=draw(st.sampled_from(["NHD", "HND"])), page_size=draw(st.sampled_from([1, 5, 8, 16, 64, 256])),
         num_kv_heads=draw(st.sampled_from([1, 2, 4])), group=draw(st.sampled_from([1, 2, 4, 5, 8])),
         window_left=draw(st.integers(0, 512)) if module.window else -1,
-        soft_cap=draw(st.sampled_from([5.0, 30.0])) if module.soft_cap else None, seed=draw(st.integers(0, 2**31 - 1)))
+        soft_cap=draw(st.sampled_from([5.0, 30.0])) if module.soft_cap else None, seed=draw(st.integers(0, 2**31 - 1)),
+        k_scale=draw(FP8_SCALES) if module.fp8_kv else None, v_scale=draw(FP8_SCALES) if module.fp8_kv else None)
+
+
+FP8_SCALES = st.sampled_from([None, 1.0, 0.25, 2.5])
 
 
 @dataclass
@@ -114,11 +136,14 @@ def build(case: Case) -> Batch:
     m = case.module
     total_q, total_kv = sum(case.qo_lens), sum(case.kv_lens)
 
-    def randn(*shape):
-        return torch.randn(shape, dtype=m.dtype, device=DEVICE, generator=gen)
+    def randn(*shape, dtype=m.dtype):
+        return torch.randn(shape, dtype=dtype, device=DEVICE, generator=gen)
 
+    # an fp8 cache: fp32 randn, rounded to fp8 once the pages are laid out (fp8 subnormals included)
+    kv_values = torch.float32 if m.fp8_kv else m.dtype
     q = randn(total_q, case.num_qo_heads, m.head_dim_qk)
-    k_nhd, v_nhd = randn(total_kv, case.num_kv_heads, m.head_dim_qk), randn(total_kv, case.num_kv_heads, m.head_dim_vo)
+    k_nhd = randn(total_kv, case.num_kv_heads, m.head_dim_qk, dtype=kv_values)
+    v_nhd = randn(total_kv, case.num_kv_heads, m.head_dim_vo, dtype=kv_values)
     ps = case.page_size
     pages = [math.ceil(n / ps) for n in case.kv_lens]
     pool = sum(pages) + 3
@@ -126,16 +151,17 @@ def build(case: Case) -> Batch:
     caches = []
     for dense, dim in ((k_nhd, m.head_dim_qk), (v_nhd, m.head_dim_vo)):
         # V pages share K's shape (and so its strides) and are viewed down to head_dim_vo
-        paged = torch.randn(pool, ps, case.num_kv_heads, m.head_dim_qk, dtype=m.dtype, device=DEVICE, generator=gen)
+        paged = randn(pool, ps, case.num_kv_heads, m.head_dim_qk, dtype=kv_values)
         start, page = 0, 0
         for n, p in zip(case.kv_lens, pages):
             for j in range(p):
                 rows = dense[start + j * ps: start + min(n, (j + 1) * ps)]
                 paged[int(page_ids[page + j]), : rows.shape[0], :, :dim] = rows
             start, page = start + n, page + p
-        caches.append((paged if case.layout == "NHD" else paged.transpose(1, 2).contiguous())[..., :dim])
+        caches.append((paged if case.layout == "NHD" else paged.transpose(1, 2).contiguous()).to(m.kv_dtype)[..., :dim])
     k, v = (k_nhd, v_nhd) if case.layout == "NHD" else (k_nhd.transpose(0, 1).contiguous(),
                                                          v_nhd.transpose(0, 1).contiguous())
+    k, v = k.to(m.kv_dtype), v.to(m.kv_dtype)
     mask = None
     if m.mask:
         mask = torch.rand(sum(a * b for a, b in zip(case.qo_lens, case.kv_lens)), device=DEVICE, generator=gen) < 0.6
@@ -152,7 +178,9 @@ def options(case: Case) -> dict:
 def run_ours(case: Case, batch: Batch, **plan_extra):
     workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
     m = case.module
-    common = dict(head_dim_vo=m.head_dim_vo, custom_mask=batch.mask, q_data_type=m.dtype, **options(case), **plan_extra)
+    common = dict(head_dim_vo=m.head_dim_vo, custom_mask=batch.mask, q_data_type=m.dtype, kv_data_type=m.kv_dtype,
+                  **options(case), **plan_extra)
+    scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
     backend = dict(backend=m.backend)
     out = torch.full((batch.q.shape[0], case.num_qo_heads, m.head_dim_vo), math.nan, dtype=m.dtype, device=DEVICE)
     lse = torch.full(out.shape[:2], math.nan, dtype=torch.float32, device=DEVICE)
@@ -160,24 +188,31 @@ def run_ours(case: Case, batch: Batch, **plan_extra):
         wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, **backend)
         wrapper.plan(batch.qo_indptr, batch.page_indptr, batch.page_ids, batch.last_page_len, case.num_qo_heads,
                      case.num_kv_heads, m.head_dim_qk, case.page_size, **common)
-        wrapper.run(batch.q, batch.cache, out=out, lse=lse, return_lse=True)
+        wrapper.run(batch.q, batch.cache, out=out, lse=lse, return_lse=True, **scales)
     else:
         wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout=case.layout, **backend)
         wrapper.plan(batch.qo_indptr, batch.kv_indptr, case.num_qo_heads, case.num_kv_heads, m.head_dim_qk, **common)
-        wrapper.run(batch.q, batch.k, batch.v, out=out, lse=lse, return_lse=True)
+        wrapper.run(batch.q, batch.k, batch.v, out=out, lse=lse, return_lse=True, **scales)
     return out, lse
 
 
-def run_reference(case: Case, batch: Batch):
+def dequantized(case: Case, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 K/V as the fp32 values it stands for (fp8 value * scale); a 16-bit K/V as is."""
+    if case.module.fp8_kv is None:
+        return k, v
+    return k.float() * (case.k_scale or 1.0), v.float() * (case.v_scale or 1.0)
+
+
+def run_reference(case: Case, batch: Batch, o_dtype=None):
     packed, mask_indptr = None, None
     if batch.mask is not None:
         bits = indptr_of([a * b for a, b in zip(case.qo_lens, case.kv_lens)])
         packed, mask_indptr = attnforge.segment_packbits(batch.mask, bits.to(DEVICE), bitorder="little")
-    k, v = (batch.k, batch.v)
+    k, v = dequantized(case, batch.k, batch.v)
     if case.layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     return reference.batch_prefill_ragged(batch.q, k, v, batch.qo_indptr, batch.kv_indptr, packed_custom_mask=packed,
-                                          mask_indptr=mask_indptr, **options(case))
+                                          mask_indptr=mask_indptr, o_dtype=o_dtype, **options(case))
 
 
 def assert_matches_reference(case: Case, out, lse, o_ref, lse_ref):
@@ -188,7 +223,23 @@ def assert_matches_reference(case: Case, out, lse, o_ref, lse_ref):
     torch.testing.assert_close(lse[seen], lse_ref[seen], **LSE_TOL)
 
 
-@pytest.mark.parametrize("modules", [PLAIN, VARIANTS, FA3], ids=["plain", "variants", "fa3"])
+def error_stats(out: torch.Tensor, o_ref: torch.Tensor) -> tuple[float, float]:
+    """(relative L2, max abs) error of o against the fp32 reference."""
+    diff = out.float() - o_ref
+    return (diff.norm() / o_ref.norm().clamp_min(1e-30)).item(), diff.abs().max().item()
+
+
+def assert_fp8_error_within_bounds(case: Case, batch: Batch, out: torch.Tensor) -> tuple[float, float]:
+    o_ref, _ = run_reference(case, batch, o_dtype=torch.float32)
+    rel_l2, max_abs = error_stats(out, o_ref)
+    v_max = dequantized(case, batch.k, batch.v)[1].abs().max().item()
+    assert rel_l2 <= FP8_REL_L2_TOL[case.module.dtype], f"relative L2 error {rel_l2:.3e}"
+    assert max_abs <= FP8_MAX_ABS_ULPS * torch.finfo(case.module.dtype).eps * v_max, \
+        f"max abs error {max_abs:.3e} (max |v| {v_max:.3g})"
+    return rel_l2, max_abs
+
+
+@pytest.mark.parametrize("modules", [PLAIN, VARIANTS, FA3, FP8], ids=["plain", "variants", "fa3", "fp8_kv"])
 def test_prefill_matches_reference(modules):
     @gpu_settings(max_examples=30)
     @given(cases(modules))
@@ -197,8 +248,47 @@ def test_prefill_matches_reference(modules):
         batch = build(case)
         out, lse = run_ours(case, batch)
         assert_matches_reference(case, out, lse, *run_reference(case, batch))
+        if case.module.fp8_kv:
+            assert_fp8_error_within_bounds(case, batch, out)
 
     check()
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "ragged"])
+@pytest.mark.parametrize("kv_len", [512, 4096, 16384])
+@pytest.mark.parametrize("module", FP8[:2], ids=lambda m: f"{m.dtype}-{m.fp8_kv}")
+def test_fp8_kv_error_statistics_by_context_length(module, kv_len, paged, capsys):
+    """Error of one fixed causal batch per context length, printed (shown even without -s) for the
+    issue's report and bounded like the drawn cases."""
+    case = Case(module, qo_lens=[256, 1, 1000], kv_lens=[kv_len] * 3, causal=True, paged=paged, layout="NHD",
+                page_size=16, num_kv_heads=2, group=4, seed=kv_len, k_scale=2.5, v_scale=0.75)
+    batch = build(case)
+    out, lse = run_ours(case, batch)
+    assert_matches_reference(case, out, lse, *run_reference(case, batch))
+    rel_l2, max_abs = assert_fp8_error_within_bounds(case, batch, out)
+    with capsys.disabled():
+        print(f"\n[fp8 kv prefill] {module.dtype} {module.fp8_kv} kv_len={kv_len} paged={paged}: "
+              f"o relative L2 {rel_l2:.3e}, max abs {max_abs:.3e}")
+
+
+@gpu_settings(max_examples=10)
+@given(cases(FP8[:2]))
+def test_fp8_cache_equals_its_exact_16bit_copy(case):
+    """fp8 values are exact in the query's 16-bit dtype and the kernel widens them exactly, so the
+    fp8 module on the cache and the 16-bit module on its 16-bit copy (same k_scale, folded into the
+    same sm_scale) run the same MMAs on the same values. Split-KV is off so both plans are the same
+    whatever each module's occupancy; v_scale is left out (the same multiply after either)."""
+    case.v_scale = None
+    note(repr(case))
+    batch = build(case)
+    out8, lse8 = run_ours(case, batch, disable_split_kv=True)
+    m16 = Module(case.module.dtype)
+    assert m16.head_dim_qk == m16.head_dim_vo == case.module.head_dim_qk, "caches convert without a V view"
+    batch16 = Batch(**{**batch.__dict__, "k": batch.k.to(m16.dtype), "v": batch.v.to(m16.dtype),
+                       "cache": tuple(c.to(m16.dtype) for c in batch.cache)})
+    out16, lse16 = run_ours(Case(**{**case.__dict__, "module": m16}), batch16, disable_split_kv=True)
+    torch.testing.assert_close(out8, out16, atol=0, rtol=torch.finfo(m16.dtype).eps)
+    torch.testing.assert_close(lse8, lse16, atol=1e-5, rtol=0)
 
 
 @gpu_settings(max_examples=12)
@@ -245,25 +335,30 @@ def test_page_table_permutation_leaves_output_unchanged(case, seed):
     torch.testing.assert_close(lse, lse2, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, E4M3, E5M2], ids=["bf16", "e4m3", "e5m2"])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_tensor_core_decode_equals_cuda_core_decode(group):
+def test_tensor_core_decode_equals_cuda_core_decode(group, kv_dtype):
+    """Decode on the prefill kernels equals the CUDA-core decode kernel on the same cache (an fp8
+    one with k_scale / v_scale too)."""
     gen = torch.Generator(device=DEVICE).manual_seed(group)
     batch, kv_heads, ps, dim = 33, 4, 16, 128
     kv_lens = torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(group)).tolist()
     pages = [math.ceil(n / ps) for n in kv_lens]
     pool = sum(pages) + 5
-    cache = tuple(torch.randn(pool, ps, kv_heads, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
-                  for _ in "kv")
+    cache = tuple(torch.randn(pool, ps, kv_heads, dim, device=DEVICE, generator=gen).to(kv_dtype) for _ in "kv")
     page_ids = torch.randperm(pool, device=DEVICE, generator=gen)[: sum(pages)].int()
     last = torch.tensor([n - (p - 1) * ps for n, p in zip(kv_lens, pages)], dtype=torch.int32)
     q = torch.randn(batch, kv_heads * group, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    scales = dict(k_scale=0.4, v_scale=2.5) if kv_dtype.itemsize == 1 else {}
     results = []
     for tensor_cores in (False, True):
         wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE),
                                                                use_tensor_cores=tensor_cores)
-        wrapper.plan(indptr_of(pages), page_ids, last, kv_heads * group, kv_heads, dim, ps, q_data_type=torch.bfloat16)
+        wrapper.plan(indptr_of(pages), page_ids, last, kv_heads * group, kv_heads, dim, ps, q_data_type=torch.bfloat16,
+                     kv_data_type=kv_dtype)
         out = torch.full_like(q, math.nan)
-        results.append(wrapper.run(q, cache, out=out, return_lse=True))
+        results.append(wrapper.run(q, cache, out=out, return_lse=True, **scales))
+    assert not results[1][0].isnan().any(), "NaN in the tensor-core decode output"
     torch.testing.assert_close(results[0][0].float(), results[1][0].float(), **O_TOL[torch.bfloat16])
     torch.testing.assert_close(results[0][1], results[1][1], **LSE_TOL)
 
@@ -302,14 +397,31 @@ def test_causal_rows_before_their_keys_see_nothing():
     assert_matches_reference(case, out, lse, *run_reference(case, batch))
 
 
-def test_single_prefill_matches_reference():
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, E4M3], ids=["bf16", "e4m3"])
+def test_single_prefill_matches_reference(kv_dtype):
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     q = torch.randn(300, 8, 128, dtype=torch.bfloat16, device=DEVICE, generator=gen)
-    k, v = (torch.randn(700, 2, 128, dtype=torch.bfloat16, device=DEVICE, generator=gen) for _ in "kv")
-    out, lse = attnforge.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
-    o_ref, lse_ref = reference.single_prefill(q, k, v, causal=True)
+    k, v = (torch.randn(700, 2, 128, device=DEVICE, generator=gen).to(kv_dtype) for _ in "kv")
+    scale_k, scale_v = (0.5, 3.0) if kv_dtype.itemsize == 1 else (None, None)
+    out, lse = attnforge.single_prefill_with_kv_cache(q, k, v, scale_k=scale_k, scale_v=scale_v, causal=True,
+                                                      return_lse=True)
+    o_ref, lse_ref = reference.single_prefill(q, k.float() * (scale_k or 1.0), v.float() * (scale_v or 1.0),
+                                              causal=True)
+    assert not out.isnan().any()
     torch.testing.assert_close(out.float(), o_ref.float(), **O_TOL[torch.bfloat16])
     torch.testing.assert_close(lse, lse_ref, **LSE_TOL)
+
+
+def test_fp8_kv_run_refuses_a_tensor_scale():
+    """The fa2 kernels take float calibration scales; a tensor one (fa3 fp8's) is refused by name
+    rather than read on the host (a device sync) or ignored."""
+    indptr = torch.tensor([0, 4], dtype=torch.int32)
+    wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE))
+    wrapper.plan(indptr, indptr, 8, 2, 128, q_data_type=torch.bfloat16, kv_data_type=E4M3)
+    q = torch.randn(4, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    k, v = (torch.randn(4, 2, 128, device=DEVICE).to(E4M3) for _ in "kv")
+    with pytest.raises(ValueError, match="k_scale.*tensor"):
+        wrapper.run(q, k, v, k_scale=torch.tensor(2.0, device=DEVICE))
 
 
 @gpu_settings(max_examples=6)
@@ -385,3 +497,6 @@ def test_auto_picks_fa3_on_hopper_and_fa2_for_what_fa3_refuses():
     rope = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)
     rope.plan(indptr, indptr, 8, 2, 128, pos_encoding_mode="ROPE_LLAMA", q_data_type=torch.bfloat16)
     assert rope._plan.module.spec.backend.value == "fa2"
+    fp8_kv = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace)  # FlashInfer #2148: bf16 q + fp8 KV is fa2's
+    fp8_kv.plan(indptr, indptr, 8, 2, 128, q_data_type=torch.bfloat16, kv_data_type=E4M3)
+    assert fp8_kv._plan.module.spec.backend.value == "fa2"

@@ -54,15 +54,16 @@ def test_auto_is_fa2_before_hopper(arch):
     assert dispatch.resolve_backend("auto", spec).backend is Backend.FA2
 
 
-def test_auto_falls_back_to_fa2_for_16bit_q_with_fp8_kv_on_hopper():
-    """FlashInfer #2148/#2536: bf16 q with an fp8 cache is not an fa3 configuration."""
-    spec = KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.E4M3,
+@pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
+def test_auto_falls_back_to_fa2_for_16bit_q_with_fp8_kv_on_hopper(dtype_kv):
+    """FlashInfer #2148/#2536: bf16 q with an fp8 cache is not an fa3 configuration; fa2 widens the
+    cache in the kernel."""
+    spec = KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=dtype_kv,
                       dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, archs=(Arch.SM90A,))
     fa3 = dataclasses.replace(spec, backend=Backend.FA3)
     assert "fa3-fp8-kv-needs-fp8-q" in [r.id for r in check(fa3)]
-    with pytest.raises(UnsupportedSpecError) as info:  # fa2 has no fp8-KV prefill yet either
-        dispatch.resolve_backend("auto", spec)
-    assert info.value.spec.backend is Backend.FA2
+    resolved = dispatch.resolve_backend("auto", spec)
+    assert resolved.backend is Backend.FA2 and resolved.dtype_kv is dtype_kv
 
 
 @pytest.mark.parametrize("rule_id, change", [

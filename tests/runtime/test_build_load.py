@@ -31,8 +31,8 @@ def decode_spec(archs, head_dim: int = 128, dtype_kv: DType = DType.BF16) -> Ker
                       dtype_o=DType.BF16, head_dim_qk=head_dim, head_dim_vo=head_dim, archs=archs)
 
 
-def prefill_spec(archs) -> KernelSpec:
-    return KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
+def prefill_spec(archs, dtype_kv: DType = DType.BF16) -> KernelSpec:
+    return KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=dtype_kv,
                       dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, archs=archs)
 
 
@@ -40,6 +40,10 @@ SPECS = {"sm80": decode_spec((Arch.SM80,)), "sm90a": decode_spec((Arch.SM90A,)),
          "fp8_kv_sm80": decode_spec((Arch.SM80,), dtype_kv=DType.E4M3),
          "fp8_kv_sm90a": decode_spec((Arch.SM90A,), dtype_kv=DType.E4M3),
          "prefill_sm80": prefill_spec((Arch.SM80,)), "prefill_sm90a": prefill_spec((Arch.SM90A,)),
+         # sm80 widens e4m3 in software, sm90a with cvt; e5m2 is a byte move on both
+         "prefill_e4m3_kv_sm80": prefill_spec((Arch.SM80,), DType.E4M3),
+         "prefill_e4m3_kv_sm90a": prefill_spec((Arch.SM90A,), DType.E4M3),
+         "prefill_e5m2_kv_sm90a": prefill_spec((Arch.SM90A,), DType.E5M2),
          "fa3_sm90a": replace(prefill_spec((Arch.SM90A,)), backend=Backend.FA3)}
 
 

@@ -128,9 +128,11 @@ def test_plan_head_dim_without_kernel_names_the_rule(base):
         plan_ragged(base, head_dim_qk=96)
 
 
-def test_plan_fp8_kv_names_the_rule(base):
-    with raises(UnsupportedSpecError, "prefill-fp8-kv-not-built"):
-        plan_ragged(base, kv_data_type=torch.float8_e4m3fn)
+def test_plan_fp8_kv_with_explicit_fa3_names_the_rule(base):
+    w = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend="fa3")
+    with raises(UnsupportedSpecError, "fa3-fp8-kv-needs-fp8-q", "fa2"):
+        w.plan(base.qo_indptr, base.kv_indptr, HQ, HKV, HD, q_data_type=torch.bfloat16,
+               kv_data_type=torch.float8_e4m3fn)
 
 
 def test_plan_explicit_fa3_that_a_rule_refuses_names_the_rule(base):

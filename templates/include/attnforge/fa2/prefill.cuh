@@ -9,6 +9,10 @@
 //   Shared memory holds the Q tile, one K tile and one V tile, each 128B-XOR-swizzled; K_{i+1} loads
 //   during softmax and P.V of tile i, V_{i+1} during Q.K of tile i+1 (FlashInfer's staggered loads),
 //   and two CTAs per SM hide the rest.
+//   An fp8 KV cache (e4m3/e5m2, with a 16-bit q) is copied as fp8 into one staging tile that K and V
+//   take in turn, and widened, exactly, into the 16-bit K/V tiles just before the barrier that
+//   publishes them; the MMAs and the softmax never see fp8. Its k_scale / v_scale are the caller's
+//   (folded into sm_scale_log2, applied to o after the kernel).
 //   Scores live in the base-2 domain: s = q.k * sm_scale_log2 (soft cap: soft_cap_log2 * tanh(.)).
 //   The kernel narrows [begin, end) to the keys its rows can see (causal, window), skips nothing
 //   else, and masks only tiles that straddle a boundary.
@@ -51,8 +55,11 @@ struct PrefillTraits {
   static constexpr bool kCustomMask = kCustomMask_;
   static constexpr int kPosEncoding = kPosEncoding_;
 
-  static_assert(std::is_same_v<DTypeQ, DTypeKV>, "prefill dtypes: q and kv must share one 16-bit type");
-  static_assert(sizeof(DTypeKV) == 2 && sizeof(DTypeO) == 2, "prefill dtypes: half or bf16 only");
+  // K and V reach the MMAs as DTypeQ; an fp8 cache is widened to it in shared memory.
+  static constexpr bool kFp8KV = sizeof(DTypeKV) == 1;
+  static_assert(std::is_same_v<DTypeQ, DTypeKV> || kFp8KV,
+                "prefill dtypes: kv is q's 16-bit type or fp8 (rules mixed-16bit-qkv, fa2-no-fp8-q)");
+  static_assert(sizeof(DTypeQ) == 2 && sizeof(DTypeO) == 2, "prefill dtypes: q and o are half or bf16 (fa2-no-fp8-q)");
   static_assert(kCtaTileQ == 16 || kCtaTileQ == 64 || kCtaTileQ == 128, "prefill tile: kCtaTileQ is 16, 64 or 128");
   static_assert(kHeadDimQK % 64 == 0 && kHeadDimVO % 64 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
                 "prefill head dims: 64, 128, 192 or 256 (a row must fill whole 128-byte swizzle lines)");
@@ -73,8 +80,11 @@ struct PrefillTraits {
                                 : kMmaQ == 2  ? 4
                                               : (kHeadDimQK <= 128 ? 8 : 4);
   static constexpr int kTileKV = kMmaKV * kWarpsKV * 16;
-  static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per Q/K row
+  static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per Q/K row of the 16-bit tiles
   static constexpr int kCellsVO = kHeadDimVO / 8;
+  static constexpr int kKVPerCell = 16 / int(sizeof(DTypeKV));  // cache elements per 16-byte copy
+  static constexpr int kCopyCellsQK = kHeadDimQK / kKVPerCell;   // 16-byte copies per K row of the cache
+  static constexpr int kCopyCellsVO = kHeadDimVO / kKVPerCell;
   static constexpr int kMinCtasPerSm = 2;
   // Without a bias or cap the scores stay raw dot products until the softmax, which folds
   // sm_scale_log2 into the FFMA ahead of each exp2 (scaling commutes with the max: the scale is > 0).
@@ -82,9 +92,15 @@ struct PrefillTraits {
 
   struct Tiles {
     alignas(16) DTypeQ q[kCtaTileQ * kHeadDimQK];
-    alignas(16) DTypeKV k[kTileKV * kHeadDimQK];
-    alignas(16) DTypeKV v[kTileKV * kHeadDimVO];
+    alignas(16) DTypeQ k[kTileKV * kHeadDimQK];
+    alignas(16) DTypeQ v[kTileKV * kHeadDimVO];
     int64_t kv_offsets[2][kTileKV];  // global row offsets of the current and the next KV tile
+  };
+  // One fp8 staging tile serves K and V in turn: K_i is widened before the barrier after which V_i
+  // lands in it, V_i before the one after which K_{i+1} does. Row-major, unswizzled: the thread that
+  // copied a cell widens it, so only global->shared copies and 16-byte reads of whole rows touch it.
+  struct Fp8Tiles : Tiles {
+    alignas(16) DTypeKV staged[kTileKV * (kHeadDimQK > kHeadDimVO ? kHeadDimQK : kHeadDimVO)];
   };
   // Per-warp states of the column-split variant, written once the last V tile is consumed.
   struct WarpStates {
@@ -94,7 +110,7 @@ struct PrefillTraits {
   };
   struct NoWarpStates {};
   union SharedStorage {
-    Tiles tiles;
+    std::conditional_t<kFp8KV, Fp8Tiles, Tiles> tiles;
     std::conditional_t<(kWarpsKV > 1), WarpStates, NoWarpStates> states;
   };
   static_assert(sizeof(SharedStorage) * kMinCtasPerSm <= 227 * 1024, "prefill smem: two CTAs must fit one SM");
@@ -167,8 +183,20 @@ __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T
   table[row] = offset;
 }
 
-// Issue the cp.async copies of one K or V tile (kTileKV rows of kCells cells, request tokens
-// [first, first + kTileKV)); rows at or past `end` are zero-filled so P.V never meets garbage.
+// Where copy (row, cell) of a K/V tile lands: the swizzled 16-bit tile the MMAs read, or for an fp8
+// cache the row-major staging tile.
+template <typename T, int kCells>
+__device__ __forceinline__ int copy_cell(int row, int cell) {
+  if constexpr (T::kFp8KV) {
+    return row * kCells + cell;
+  } else {
+    return common::Swizzle128<kCells>::cell(row, cell);
+  }
+}
+
+// Issue the cp.async copies of one K or V tile (kTileKV rows of kCells 16-byte cells of the cache,
+// request tokens [first, first + kTileKV)); rows at or past `end` are zero-filled so P.V never meets
+// garbage.
 // Row offsets come from the paged table (K and V pages share their strides), or straight from the
 // token for ragged KV, where K and V each have their own token stride.
 // Each thread keeps one cell column and walks the rows kRowsPerPass apart, so a copy costs a pointer
@@ -184,7 +212,7 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
   constexpr int kPasses = (T::kTileKV + kRowsPerPass - 1) / kRowsPerPass;
   const int row0 = threadIdx.x / kCells, cell = threadIdx.x % kCells;
   if (T::kThreads % kCells != 0 && row0 >= kRowsPerPass) return;
-  const typename T::DTypeKV* src = head_base + cell * 8;
+  const typename T::DTypeKV* src = head_base + cell * T::kKVPerCell;
   if constexpr (!T::kPagedKV) src += int64_t(kv_token_base + first + row0) * token_stride;
   const int64_t step = kRowsPerPass * token_stride;
   const int rows_left = end - first - row0;  // rows row0 + i * kRowsPerPass below this are in range
@@ -210,14 +238,39 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
       row_src = valid ? src : head_base;
       src += step;
     }
-    common::cp_async_16(dst + common::Swizzle128<kCells>::cell(row, cell) * 8, row_src, valid);
+    common::cp_async_16(dst + copy_cell<T, kCells>(row, cell) * T::kKVPerCell, row_src, valid);
+  }
+}
+
+// fp8 cache: widen the staging cells this thread copied (load_kv_tile's walk: one cell column, rows
+// kRowsPerPass apart) into the 16-bit tile. cp_async_wait makes a thread's own copies visible to it,
+// so no barrier is needed between the wait and this; the caller's next barrier publishes the tile.
+// Copy cell c becomes 16-bit cells 2c and 2c + 1; lanes with c / 4 odd store 2c + 1 first, so the
+// eight lanes of each 16-byte store phase hit eight different bank groups.
+template <typename T, int kCells>
+__device__ __forceinline__ void widen_kv_tile(typename T::DTypeQ* dst, const typename T::DTypeKV* staged) {
+  constexpr int kRowsPerPass = T::kThreads / kCells;
+  constexpr int kPasses = (T::kTileKV + kRowsPerPass - 1) / kRowsPerPass;
+  const int row0 = threadIdx.x / kCells, cell = threadIdx.x % kCells;
+  if (T::kThreads % kCells != 0 && row0 >= kRowsPerPass) return;
+  const bool odd_first = (cell / 4) % 2;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int row = row0 + i * kRowsPerPass;
+    if (T::kTileKV % kRowsPerPass != 0 && row >= T::kTileKV) break;
+    uint4 wide[2];
+    common::Vec16<typename T::DTypeKV>::template widen<typename T::DTypeQ>(
+        *reinterpret_cast<const uint4*>(staged + (row * kCells + cell) * T::kKVPerCell), wide);
+    const int first = 2 * cell + odd_first;
+    *reinterpret_cast<uint4*>(dst + common::Swizzle128<2 * kCells>::cell(row, first) * 8) = odd_first ? wide[1] : wide[0];
+    *reinterpret_cast<uint4*>(dst + common::Swizzle128<2 * kCells>::cell(row, first ^ 1) * 8) = odd_first ? wide[0] : wide[1];
   }
 }
 
 // Rotate the K tile in shared memory (RoPE at each key's position). Callers fence around it.
 template <typename T>
-__device__ __forceinline__ void rope_k_tile(typename T::DTypeKV* k, int first, float rcp_scale, float rcp_theta) {
-  using Vec = common::Vec16<typename T::DTypeKV>;
+__device__ __forceinline__ void rope_k_tile(typename T::DTypeQ* k, int first, float rcp_scale, float rcp_theta) {
+  using Vec = common::Vec16<typename T::DTypeQ>;
   constexpr int kHalf = T::kCellsQK / 2;
   for (int idx = threadIdx.x; idx < T::kTileKV * kHalf; idx += T::kThreads) {
     const int row = idx / kHalf, cell = idx % kHalf;
@@ -283,7 +336,7 @@ struct LaneCells {
 
 // s = Q . K^T for this warp's rows and kv columns (raw dot products, fp32).
 template <typename T>
-__device__ __forceinline__ void compute_scores(const typename T::DTypeQ* q, const typename T::DTypeKV* k, int warp_q,
+__device__ __forceinline__ void compute_scores(const typename T::DTypeQ* q, const typename T::DTypeQ* k, int warp_q,
                                                int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
   const int lane = threadIdx.x % 32;
   // Q: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
@@ -320,9 +373,9 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeQ* q, cons
 // o += P . V for this warp's rows. P arrives as base-2 probabilities in the score fragment; C
 // fragment pairs (e, e + 1) are exactly the A fragment registers of the P.V mma.
 template <typename T>
-__device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int warp_kv,
+__device__ __forceinline__ void accumulate_pv(const typename T::DTypeQ* v, int warp_kv,
                                               const float (&s)[T::kMmaQ][T::kMmaKV][8], PrefillState<T>& st) {
-  using DType = typename T::DTypeKV;
+  using DType = typename T::DTypeQ;
   const int lane = threadIdx.x % 32;
   // V, transposed: matrices (kv 0-7, d 0-7), (kv 8-15, d 0-7), (kv 0-7, d 8-15), (kv 8-15, d 8-15).
   const LaneCells<T::kCellsVO> vc(warp_kv * T::kMmaKV * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
@@ -559,6 +612,7 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Pr
 
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(const __grid_constant__ typename T::Params p) {
+  using DTypeQ = typename T::DTypeQ;
   using DTypeKV = typename T::DTypeKV;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
@@ -621,13 +675,27 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
       fill_kv_offsets<T>(smem.tiles.kv_offsets[tile % 2], p, page_ids, page_size, begin + tile * T::kTileKV, end, bad_page);
     }
   };
+  // K/V copies land in the 16-bit tiles, or for an fp8 cache in the staging tile widen_k / widen_v read.
+  auto copy_dst = [&](DTypeQ* tile16) -> DTypeKV* {
+    if constexpr (T::kFp8KV) {
+      return smem.tiles.staged;
+    } else {
+      return tile16;
+    }
+  };
   auto load_k = [&](int tile) {
-    load_kv_tile<T, T::kCellsQK>(smem.tiles.k, k_head, p.kv_stride_token, smem.tiles.kv_offsets[tile % 2], kv_token_base,
-                                 begin + tile * T::kTileKV, end);
+    load_kv_tile<T, T::kCopyCellsQK>(copy_dst(smem.tiles.k), k_head, p.kv_stride_token, smem.tiles.kv_offsets[tile % 2],
+                                     kv_token_base, begin + tile * T::kTileKV, end);
   };
   auto load_v = [&](int tile) {
-    load_kv_tile<T, T::kCellsVO>(smem.tiles.v, v_head, p.v_stride_token, smem.tiles.kv_offsets[tile % 2], kv_token_base,
-                                 begin + tile * T::kTileKV, end);
+    load_kv_tile<T, T::kCopyCellsVO>(copy_dst(smem.tiles.v), v_head, p.v_stride_token, smem.tiles.kv_offsets[tile % 2],
+                                     kv_token_base, begin + tile * T::kTileKV, end);
+  };
+  auto widen_k = [&] {
+    if constexpr (T::kFp8KV) widen_kv_tile<T, T::kCopyCellsQK>(smem.tiles.k, smem.tiles.staged);
+  };
+  auto widen_v = [&] {
+    if constexpr (T::kFp8KV) widen_kv_tile<T, T::kCopyCellsVO>(smem.tiles.v, smem.tiles.staged);
   };
 
   const int num_tiles = end > begin ? (end - begin + T::kTileKV - 1) / T::kTileKV : 0;
@@ -646,6 +714,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int first = begin + tile * T::kTileKV;
     common::cp_async_wait<0>();  // Q and K_tile have landed
+    widen_k();  // the 16-bit K tile is free since the mid-tile barrier of tile - 1
     __syncthreads();  // ...and every warp is done with V_{tile-1}, and with table (tile + 1) % 2
     load_v(tile);
     common::cp_async_commit();
@@ -657,6 +726,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     compute_scores<T>(smem.tiles.q, smem.tiles.k, warp_q, warp_kv, s);
     if (tile + 1 < num_tiles) fill_offsets(tile + 1);
     common::cp_async_wait<0>();  // V_tile has landed
+    widen_v();  // the 16-bit V tile is free since the barrier at the top of this tile
     __syncthreads();  // K is consumed (refill it while softmax and P.V run); the next table is written
     if (tile + 1 < num_tiles) load_k(tile + 1);
     common::cp_async_commit();
