@@ -365,8 +365,10 @@ def test_fp8_kv_error_statistics_by_context_length(module, kv_len, capsys):
 @given(cases(modules=FP8_MODULES, max_batch=32, max_tokens=300_000))
 def test_fp8_cache_equals_its_exact_16bit_copy(case):
     """fp8 values are exact in the query's 16-bit dtype, so the fp8 kernel (16 elements a lane) and
-    the 16-bit kernel (8 a lane) on the converted cache differ only in summation order. v_scale is
-    left out: it is the same multiply after either kernel."""
+    the 16-bit kernel (8 a lane) on the converted cache differ only in summation order, except that
+    with a bf16 output the fp8 kernel sums q.k and each tile's P.V in half2 (~2^-11 relative, under
+    bf16's rounding): there the two agree to the reference tolerances. v_scale is left out: it is
+    the same multiply after either kernel."""
     case = replace(case, v_scale=None)
     note(case.describe())
     b = make_batch(case)
@@ -375,7 +377,8 @@ def test_fp8_cache_equals_its_exact_16bit_copy(case):
                else tuple(t.to(case.module.dtype) for t in b.cache))
     o8, lse8 = decode(case, b)
     o16, lse16 = decode(case16, replace(b, cache=cache16))
-    o_tol, lse_tol = same_kernel_tol(case.module.dtype)
+    dtype = case.module.dtype
+    o_tol, lse_tol = (O_TOL[dtype], LSE_TOL) if dtype == torch.bfloat16 else same_kernel_tol(dtype)
     torch.testing.assert_close(o8, o16, **o_tol)
     torch.testing.assert_close(lse8, lse16, **lse_tol)
 

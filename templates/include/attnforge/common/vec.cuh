@@ -79,8 +79,15 @@ __device__ __forceinline__ half2 fp8_pair_to_half2<__NV_E5M2>(uint32_t word, int
 template <>
 __device__ __forceinline__ half2 fp8_pair_to_half2<__NV_E4M3>(uint32_t word, int pair) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const auto bytes = static_cast<__nv_fp8x2_storage_t>(word >> (16 * pair));
-  return __half2(__nv_cvt_fp8x2_to_halfraw2(bytes, __NV_E4M3));  // one cvt per pair on sm89+
+  // One cvt per pair on sm89+. Naming the word's 16-bit halves in PTX (rather than shifting the
+  // high pair down in C++) lets ptxas read the high half in place: no shift per word.
+  uint32_t bits;
+  if (pair == 0) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(bits) : "r"(word));
+  } else {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(bits) : "r"(word));
+  }
+  return *reinterpret_cast<const half2*>(&bits);
 #else
   // No fp8 cvt before sm89, and the library's emulation costs registers the decode kernel has not
   // got. Moving e4m3's 4 exponent and 3 mantissa bits below fp16's exponent field, sign kept,
@@ -95,11 +102,19 @@ __device__ __forceinline__ half2 fp8_pair_to_half2<__NV_E4M3>(uint32_t word, int
 template <__nv_fp8_interpretation_t kFormat>
 struct Fp8Vec16 {
   static constexpr int kElems = 16;
-  __device__ __forceinline__ static void to_float(const uint4& raw, float (&out)[16]) {
+  static constexpr float kMaxFinite = kFormat == __NV_E4M3 ? 448.f : 57344.f;  // bounds fp16 sums of these
+  // Exact, and one conversion per pair: for kernels that do their math in packed half2.
+  __device__ __forceinline__ static void to_half2(const uint4& raw, half2 (&out)[8]) {
     const uint32_t* words = reinterpret_cast<const uint32_t*>(&raw);
 #pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = fp8_pair_to_half2<kFormat>(words[i / 2], i % 2);
+  }
+  __device__ __forceinline__ static void to_float(const uint4& raw, float (&out)[16]) {
+    half2 pairs[8];
+    to_half2(raw, pairs);
+#pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float2 f = __half22float2(fp8_pair_to_half2<kFormat>(words[i / 2], i % 2));
+      const float2 f = __half22float2(pairs[i]);
       out[2 * i] = f.x;
       out[2 * i + 1] = f.y;
     }

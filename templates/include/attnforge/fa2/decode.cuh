@@ -7,8 +7,8 @@
 //   Thread (tx, ty, tz): tx owns kVec consecutive elements of the head dim (one 16-byte vector of
 //   the KV cache: 8 bf16/fp16 or 16 fp8 elements; q and o, 16-bit, take kVec / 8 vectors), ty a
 //   group of kHeadsPerThread query heads, tz one "token lane" that takes every kBdz-th row of a KV tile.
-//   An fp8 cache is dequantized on load (fp8 -> fp32); its k_scale folds into score_scale on the
-//   host and v_scale multiplies o after the kernel.
+//   An fp8 cache is converted on load to fp16 (exact); with a bf16 output it is multiplied in packed
+//   half2 (PackedQuery, decode_tile), else in fp32. Its k_scale folds into score_scale on the host and v_scale multiplies o after the kernel.
 //   K/V tiles stream through a kStages-deep cp.async ring; page ids for the tile after next are
 //   fetched one iteration ahead so the gather never waits on the page table.
 //   Scores: the kBdx lanes of a row (a "lane group") reduce-scatter their partial dot products
@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/async_copy.cuh"
 #include "../common/math.cuh"
@@ -30,6 +31,26 @@
 #include "../common/vec.cuh"
 
 namespace attnforge::fa2 {
+
+// The largest power of two <= x (x > 0), for compile-time fp16 range bounds.
+constexpr float pow2_at_most(float x) {
+  float p = 1.f;
+  while (p > x) p *= 0.5f;
+  while (2.f * p <= x) p *= 2.f;
+  return p;
+}
+
+constexpr float kHalfMax = 65504.f;
+
+// q of one thread for an fp8 cache, as half2 pairs (slot h: head h ^ owner.head, like the fp32 q).
+// A 16-bit q times a power of two is exact in fp16; the power is chosen per lane group so that no
+// partial dot product over kVec fp8 values can leave fp16's range, and unscale (score_scale over
+// that power) turns a finished score into a base-2 logit.
+template <int kHeads, int kVec>
+struct PackedQuery {
+  half2 q[kHeads][kVec / 2];
+  float unscale;
+};
 
 template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDim_,
           int kHeadsPerCta_, bool kSoftCap_>
@@ -62,6 +83,24 @@ struct DecodeTraits {
   static constexpr int kMinCtasPerSm = 4;
   static constexpr int kChunksPerTile = kTileTokens * kBdx;  // 16-byte chunks in one K (or V) tile
   static constexpr int kChunksPerThread = kChunksPerTile / kThreads;
+
+  // An fp8 cache spends 1.5 conversions per element to reach fp32 against 2 FMAs of its 2 heads
+  // (measured at 61% of copy bandwidth, issue-bound). In fp16 a pair converts in one instruction
+  // and feeds packed FMAs directly: q.k partial sums (kVec products a lane) and each tile's P.V
+  // (kTokensPerLane products a column) run in half2 and are added into fp32 scores and o.
+  // kQueryBound and kProbScale keep those fp16 sums inside fp16's range for any finite fp8 cache.
+  // Their rounding (~2^-11 relative per partial sum, ~1e-3 in o and the scores) sits under a bf16
+  // output's 2^-9 but not under an fp16 one's 2^-12: an fp16 output keeps the fp32 math (measured:
+  // half2 math failed the fp16 reference tolerance of 5e-3).
+  static constexpr bool kPackedMath = sizeof(DTypeKV) == 1 && std::is_same_v<DTypeO, __nv_bfloat16>;
+  using Query = std::conditional_t<kPackedMath, PackedQuery<kHeadsPerThread, kVec>, float[kHeadsPerThread][kVec]>;
+  static constexpr float kMaxKv = [] {
+    if constexpr (kPackedMath) return common::Vec16<DTypeKV>::kMaxFinite;
+    return 1.f;
+  }();
+  static constexpr float kQueryBound = pow2_at_most(kHalfMax / (kVec * kMaxKv));
+  static constexpr float kProbScale =
+      kHalfMax >= kTokensPerLane * kMaxKv ? 1.f : pow2_at_most(kHalfMax / (kTokensPerLane * kMaxKv));
 
   static_assert(kHeadDim % kVec == 0 && kBdx <= 32 && 32 % kBdx == 0,
                 "decode-head-dims: a KV row must span a power-of-two number of lanes within a warp");
@@ -152,11 +191,11 @@ struct OwnedHead {
 };
 
 // One KV tile for this lane group: reduce-scattered scores, the online-softmax update, P.V.
-// q is pre-scaled so a dot product is already a base-2 logit; its slot h holds head h ^ owner.head.
+// q (fp32) is pre-scaled so a dot product is already a base-2 logit; its slot h holds head h ^ owner.head.
 // o holds the heads in natural order. probs is this lane group's shared buffer.
 template <typename T>
 __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, const typename T::DTypeKV* v_tile,
-                                            const float (&q)[T::kHeadsPerThread][T::kVec], ScoreOwner owner,
+                                            const typename T::Query& q, ScoreOwner owner,
                                             int valid_rows, float post_scale, typename T::ProbRow* probs,
                                             OwnedHead& own, float (&o)[T::kHeadsPerThread][T::kVec]) {
   using Vec = common::Vec16<typename T::DTypeKV>;
@@ -170,14 +209,28 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
   float s[T::kScores];  // slot (h, j) at h * kTokens + j
 #pragma unroll
   for (int j = 0; j < kTokens; ++j) {
-    float kf[T::kVec];
-    Vec::to_float(*reinterpret_cast<const uint4*>(k_tile + (j ^ owner.token) * kTokenStride + lane_offset), kf);
+    const uint4& k_raw = *reinterpret_cast<const uint4*>(k_tile + (j ^ owner.token) * kTokenStride + lane_offset);
+    if constexpr (T::kPackedMath) {
+      half2 kh[T::kVec / 2];
+      Vec::to_half2(k_raw, kh);
 #pragma unroll
-    for (int h = 0; h < H; ++h) {
-      float dot = 0.f;
+      for (int h = 0; h < H; ++h) {
+        half2 dot = __hmul2(q.q[h][0], kh[0]);
 #pragma unroll
-      for (int e = 0; e < T::kVec; ++e) dot = fmaf(q[h][e], kf[e], dot);
-      s[h * kTokens + j] = dot;
+        for (int e = 1; e < T::kVec / 2; ++e) dot = __hfma2(q.q[h][e], kh[e], dot);
+        const float2 halves = __half22float2(dot);
+        s[h * kTokens + j] = halves.x + halves.y;
+      }
+    } else {
+      float kf[T::kVec];
+      Vec::to_float(k_raw, kf);
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < T::kVec; ++e) dot = fmaf(q[h][e], kf[e], dot);
+        s[h * kTokens + j] = dot;
+      }
     }
   }
   common::lane_group_reduce_scatter<T::kBdx, T::kScores>(s);
@@ -186,6 +239,7 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
 #pragma unroll
   for (int i = 0; i < T::kScoresPerLane; ++i) {
     float score = s[i];
+    if constexpr (T::kPackedMath) score *= q.unscale;
     if constexpr (T::kSoftCap) score = post_scale * common::fast_tanh(score);
     s[i] = (owner.token + i) * T::kBdz + tz < valid_rows ? score : common::kNegInf;
     tile_max = fmaxf(tile_max, s[i]);
@@ -220,16 +274,78 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
       for (int e = 0; e < T::kVec; ++e) o[h][e] *= rescale.h[h];
     }
   }
+  if constexpr (T::kPackedMath) {
+    // This tile's P.V in fp16 (probabilities times kProbScale), then added into the fp32 o.
+    half2 pv[H][T::kVec / 2];
 #pragma unroll
-  for (int j = 0; j < kTokens; ++j) {
-    float vf[T::kVec];
-    Vec::to_float(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset), vf);
-    const typename T::ProbRow p = probs[j];
+    for (int j = 0; j < kTokens; ++j) {
+      half2 vh[T::kVec / 2];
+      Vec::to_half2(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset), vh);
+      const typename T::ProbRow p = probs[j];
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const half2 ph = __float2half2_rn(p.h[h] * T::kProbScale);
+#pragma unroll
+        for (int e = 0; e < T::kVec / 2; ++e) pv[h][e] = j == 0 ? __hmul2(ph, vh[e]) : __hfma2(ph, vh[e], pv[h][e]);
+      }
+    }
 #pragma unroll
     for (int h = 0; h < H; ++h) {
 #pragma unroll
-      for (int e = 0; e < T::kVec; ++e) o[h][e] = fmaf(p.h[h], vf[e], o[h][e]);
+      for (int e = 0; e < T::kVec / 2; ++e) {
+        const float2 f = __half22float2(pv[h][e]);
+        o[h][2 * e] = fmaf(f.x, 1.f / T::kProbScale, o[h][2 * e]);
+        o[h][2 * e + 1] = fmaf(f.y, 1.f / T::kProbScale, o[h][2 * e + 1]);
+      }
     }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kTokens; ++j) {
+      float vf[T::kVec];
+      Vec::to_float(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset), vf);
+      const typename T::ProbRow p = probs[j];
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+#pragma unroll
+        for (int e = 0; e < T::kVec; ++e) o[h][e] = fmaf(p.h[h], vf[e], o[h][e]);
+      }
+    }
+  }
+}
+
+// This thread's kVec columns of q, slot h holding head h ^ owner.head of the group.
+template <typename T>
+__device__ __forceinline__ void load_query(const typename T::Params& p, int request, int kv_head, int first_slot,
+                                           ScoreOwner owner, int tx, float (&q)[T::kHeadsPerThread][T::kVec]) {
+#pragma unroll
+  for (int h = 0; h < T::kHeadsPerThread; ++h) {
+    const int qo_head = kv_head * p.group_size + min(first_slot + (h ^ owner.head), p.group_size - 1);
+    const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
+    common::load_float(q_row + tx * T::kVec, q[h]);
+  }
+}
+
+// q as half2 times the largest power of two that keeps the lane group's max |q| within kQueryBound
+// (one power for the group, so the finished scores, summed across its lanes, share the unscale).
+template <typename T>
+__device__ __forceinline__ void pack_query(const float (&qf)[T::kHeadsPerThread][T::kVec], float score_scale,
+                                           typename T::Query& q) {
+  float max_abs = 0.f;
+#pragma unroll
+  for (int h = 0; h < T::kHeadsPerThread; ++h) {
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) max_abs = fmaxf(max_abs, fabsf(qf[h][e]));
+  }
+  max_abs = common::lane_group_max<T::kBdx>(max_abs);
+  // Masking a positive normal float to its exponent bits rounds it down to a power of two; the
+  // clamp keeps a near-zero q from asking for an infinite one.
+  const float room = max_abs > 0.f ? fminf(T::kQueryBound / max_abs, 0x1p100f) : 1.f;
+  const float scale = __uint_as_float(__float_as_uint(room) & 0x7f800000u);
+  q.unscale = score_scale / scale;
+#pragma unroll
+  for (int h = 0; h < T::kHeadsPerThread; ++h) {
+#pragma unroll
+    for (int e = 0; e < T::kVec / 2; ++e) q.q[h][e] = __floats2half2_rn(qf[h][2 * e] * scale, qf[h][2 * e + 1] * scale);
   }
 }
 
@@ -258,14 +374,18 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   // (a tile that does not divide it) compute on a clamped head and store nothing.
   const int first_slot = head_tile * T::kHeadsPerCta + ty * H;
   const ScoreOwner owner = score_owner<T>(tx);
-  float q[H][T::kVec];  // slot h: head h ^ owner.head (see ScoreOwner)
+  typename T::Query q;  // slot h: head h ^ owner.head (see ScoreOwner)
+  if constexpr (T::kPackedMath) {
+    float qf[H][T::kVec];
+    load_query<T>(p, request, kv_head, first_slot, owner, tx, qf);
+    pack_query<T>(qf, p.score_scale, q);
+  } else {
+    load_query<T>(p, request, kv_head, first_slot, owner, tx, q);
 #pragma unroll
-  for (int h = 0; h < H; ++h) {
-    const int qo_head = kv_head * p.group_size + min(first_slot + (h ^ owner.head), p.group_size - 1);
-    const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
-    common::load_float(q_row + tx * T::kVec, q[h]);
+    for (int h = 0; h < H; ++h) {
 #pragma unroll
-    for (int e = 0; e < T::kVec; ++e) q[h][e] *= p.score_scale;
+      for (int e = 0; e < T::kVec; ++e) q[h][e] *= p.score_scale;
+    }
   }
 
   // Each thread copies the same kChunksPerThread chunks of every tile: column tid % kBdx of rows
