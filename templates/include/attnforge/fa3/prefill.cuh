@@ -3,12 +3,9 @@
 //   (QK^T SS, PV RS) and the online softmax in registers.
 //
 // Contract (/work/prefill-contract.md), the same plan image and params as fa2/prefill.cuh:
-//   Persistent: grid = min(work items x kv heads, SMs); block = 384 threads (warpgroup 0
-//   produces, 1 and 2 consume). Items are (planned work item, kv head) pairs, work-major, so the
-//   plan's longest-first order holds; CTA c takes items c, 2G-1-c, 2G+c, ... (G CTAs: each round
-//   reversed, so no CTA always draws the longest of its round). A work item is (request, q tile,
-//   kv token range [begin, end)). The producer runs ahead into the next item (Q waits for the
-//   consumers' q_empty), and the ring's stages and phases run on across items. Its kBlockM = 128 rows are packed (token, head-in-group) rows: row p -> token
+//   grid = (work_capacity, num_kv_heads); block = 384 threads (warpgroup 0 produces, 1 and 2
+//   consume). A CTA takes one planned work item (request, q tile, kv token range [begin, end)) for
+//   one kv head. Its kBlockM = 128 rows are packed (token, head-in-group) rows: row p -> token
 //   p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
 //   Q: the producer copies the tile once (cp.async; packed GQA rows are no TMA box) and arrives
 //   on q_full. K/V: for each kBlockN-token tile the producer waits for the stage's `empty`
@@ -25,7 +22,7 @@
 //   diagonal are never loaded; only tiles that straddle a boundary are masked per element.
 //   Output: o (+ lse, base 2) or, when work_partial >= 0, fp32 partial rows at slot
 //   work_partial + token * num_chunks[request]. A row that sees no key: o = 0, lse = -inf. A page
-//   id outside [0, num_pages) is never read (page 0 is), the item's rows come out NaN and the plan's
+//   id outside [0, num_pages) is never read (page 0 is), the CTA's rows come out NaN and the plan's
 //   error word gets kPlanErrorBadPage.
 //
 // Must not: decide scheduling (the plan did) or run on anything but sm_90a (wgmma, setmaxnreg).
@@ -99,9 +96,7 @@ struct PrefillTraits {
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // setmaxnreg moves registers within the CTA's launch allocation (168 x 384): the producer's
-  // release, 128 x (168 - 40), must cover the consumers' growth, 256 x (232 - 168), or their
-  // setmaxnreg.inc waits forever.
+  // cp.async producers need address registers; 128 x (40 + 2 x 232) = 64.5K fits the register file.
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per Q/K row
@@ -139,9 +134,8 @@ struct PrefillTraits {
     alignas(1024) Element v[kStages * kBlockN * kHeadDimVO];
     // paged: global offsets of each tile row in K and in V (-1 past end); ragged needs none
     int64_t kv_rows[kPagedKV ? kStages : 0][kBlockN][2];
-    uint64_t q_full, q_empty;
+    uint64_t q_full;
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
-    int bad_page[2];  // per item parity: some page id of the item was out of range
   };
   // The dynamic window is only 16-byte aligned: room to round the base up to 1024.
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
@@ -156,26 +150,6 @@ struct KernelArgs {
   typename T::Params p;
   CUtensorMap k_pages, v_pages;
   int box_rows;
-};
-
-// Where the producer reports a bad page id of the current item: the item's flag, which consumers
-// read once the item's last tile has landed (each report precedes that tile's `full` arrival),
-// and the plan's error word.
-struct BadPageReport {
-  int* flag;
-  int32_t* error;
-  __device__ __forceinline__ void raise() const {
-    *flag = 1;
-    atomicOr(error, common::kPlanErrorBadPage);
-  }
-};
-
-// Position in the K/V ring: tile index since the kernel started; stage and phase follow from it.
-template <typename T>
-struct RingSlot {
-  int stage;
-  uint32_t phase;
-  __device__ __forceinline__ explicit RingSlot(int tile) : stage(tile % T::kStages), phase((tile / T::kStages) & 1) {}
 };
 
 // Named barrier ids (0 is __syncthreads).
@@ -254,21 +228,20 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
 }
 
 // Paged KV: thread `row` looks its token's page up once per tile for both K and V; a bad page id
-// reads page 0 and is reported.
+// reads page 0 and raises `bad_page`.
 template <typename T>
 __device__ __forceinline__ void fill_page_table(int64_t (*table)[2], const typename T::Params& p, const int32_t* page_ids,
-                                                int first, int end, int tid, const BadPageReport& bad) {
+                                                const common::FastDivmod& page_size, int first, int end, int tid,
+                                                bool& bad_page) {
   if (tid >= T::kBlockN) return;
   const int token = first + tid;
   int64_t k_off = -1, v_off = -1;
   if (token < end) {
     int page_index, in_page;
-    // Built here rather than kept per item: the producer's 40 registers have no room for it.
-    const common::FastDivmod page_size(p.page_size);
     page_size.divmod(token, page_index, in_page);
     const int page = __ldg(page_ids + page_index);
     const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
-    if (!ok) bad.raise();
+    bad_page |= !ok;
     const int64_t safe_page = ok ? page : 0;
     k_off = safe_page * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
     v_off = safe_page * p.v_stride_page + int64_t(in_page) * p.v_stride_token;
@@ -312,12 +285,12 @@ __device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const W
 
 // Warp 0 boxes each 64-dim column block of K, then of V, into the stage: lane b the rows of box b
 // (a page, or the whole ragged tile), so the page ids are read in parallel; lane 0 arms the `full`
-// barriers with the tile's bytes first. A bad page id reads page 0 and is reported, as in the
-// gather.
+// barriers with the tile's bytes first. A bad page id reads page 0 and raises `bad_page`, as in
+// the gather.
 template <typename T>
 __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                                  const int32_t* page_ids, int kv_token_base, int first, int stage,
-                                                 uint32_t free_phase, int kv_head, const BadPageReport& bad) {
+                                                 uint32_t free_phase, int kv_head, bool& bad_page) {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   using Element = typename T::Element;
   const auto evict_last = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);  // every q tile rereads K/V
@@ -329,11 +302,10 @@ __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem
     const int token = first + lane * args.box_rows;
     const int id = __ldg(page_ids + token / args.p.page_size);
     const bool ok = static_cast<unsigned>(id) < static_cast<unsigned>(args.p.num_pages);
-    if (!ok) bad.raise();
+    bad_page |= !ok;
     in_page = token % args.p.page_size;
     page = ok ? id : 0;
   }
-  __syncwarp();  // every lane's report precedes lane 0's arrival
   auto load = [&](const CUtensorMap& map, uint8_t* tile, uint64_t* empty, uint64_t* full, uint32_t bytes, auto dims,
                   auto smem_offset) {
     Barrier::wait(empty, free_phase);
@@ -365,20 +337,15 @@ __device__ __forceinline__ void arrive_gathered(uint64_t* full, int producer_thr
 
 template <typename T>
 __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const KernelArgs<T>& args, const int32_t* plan,
-                                        const WorkTile& w, const common::FastDivmod& group, int kv_head, int tile0,
-                                        int item, const BadPageReport& bad) {
+                                        const WorkTile& w, const common::FastDivmod& group, int kv_head,
+                                        bool& bad_page) {
   using DTypeKV = typename T::DTypeKV;
   using Barrier = cutlass::arch::ClusterBarrier;
   const auto& p = args.p;
   const int tid = threadIdx.x;
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
+  if (num_tiles == 0) return;  // consumers store zeros without waiting for anything
 
-  // Warps 1-3 skip the boxed tiles and could reach this item early; a parity wait is only exact
-  // within one phase, so they meet warp 0 before any wait of the item.
-  cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
-  if (item > 0) Barrier::wait(&smem.q_empty, (item - 1) & 1);  // the last item's Q.K^T are done
-  if (tid == 0) *bad.flag = 0;  // the consumers read this parity's flag two items ago
-  __syncwarp();
   load_q_tile<T>(smem, p, w, group, kv_head, tid);
   cp_async_arrive_noinc(&smem.q_full);
 
@@ -386,17 +353,17 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
   const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.v_stride_head;
   const int32_t* page_ids = static_cast<const int32_t*>(p.indices) + (T::kPagedKV ? plan[p.off_kv_indptr + w.request] : 0);
   const int kv_token_base = T::kPagedKV ? 0 : plan[p.off_kv_indptr + w.request];
+  const common::FastDivmod page_size(T::kPagedKV ? p.page_size : 1);
   auto* k_smem = reinterpret_cast<uint8_t*>(smem.k);
   auto* v_smem = reinterpret_cast<uint8_t*>(smem.v);
 
   for (int n = 0; n < num_tiles; ++n) {
-    const RingSlot<T> slot(tile0 + n);
-    const int stage = slot.stage;
-    const uint32_t free_phase = slot.phase ^ 1;  // a fresh barrier counts as released
+    const int stage = n % T::kStages;
+    const uint32_t free_phase = ((n / T::kStages) & 1) ^ 1;  // a fresh barrier counts as released
     const int first = w.begin + n * T::kBlockN;
     if (tile_is_boxed<T>(args, w, first)) {
       if (tid / 32 == 0) {
-        load_kv_tile_tma<T>(smem, args, page_ids, kv_token_base, first, stage, free_phase, kv_head, bad);
+        load_kv_tile_tma<T>(smem, args, page_ids, kv_token_base, first, stage, free_phase, kv_head, bad_page);
         __syncwarp();
       }
       continue;
@@ -407,7 +374,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     // Table slot `stage` was last read for tile n - kStages; every producer thread has passed
     // tile n - 1's barrier since, so it is free.
     if constexpr (T::kPagedKV) {
-      fill_page_table<T>(smem.kv_rows[stage], p, page_ids, first, w.end, tid, bad);
+      fill_page_table<T>(smem.kv_rows[stage], p, page_ids, page_size, first, w.end, tid, bad_page);
       cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
     }
     auto row_offset = [&](int which, int64_t token_stride) {
@@ -430,6 +397,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     });
     arrive_gathered(&smem.v_full[stage], T::kProducerThreads, tid);
   }
+  common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -587,37 +555,34 @@ __device__ __forceinline__ float transform_scores(const typename T::Params& p, c
 // The consumer loop of `consume` with nothing but its barrier and pingpong traffic, in the same
 // order, for a warpgroup with no rows to compute.
 template <typename T>
-__device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem, int num_tiles, int wg, int tile0,
-                                                int item) {
+__device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem, int num_tiles, int wg) {
   using Barrier = cutlass::arch::ClusterBarrier;
+  auto phase = [](int n) { return uint32_t((n / T::kStages) & 1); };
   if (wg == 1) scheduler_pass(wg);
-  Barrier::wait(&smem.q_full, item & 1);
-  const RingSlot<T> first(tile0);
-  Barrier::wait(&smem.k_full[first.stage], first.phase);
+  Barrier::wait(&smem.q_full, 0);
+  Barrier::wait(&smem.k_full[0], 0);
   scheduler_wait(wg);
   scheduler_pass(wg);
-  Barrier::arrive(&smem.k_empty[first.stage]);
+  Barrier::arrive(&smem.k_empty[0]);
   for (int n = 1; n < num_tiles; ++n) {
-    const RingSlot<T> cur(tile0 + n), prev(tile0 + n - 1);
-    Barrier::wait(&smem.k_full[cur.stage], cur.phase);
-    Barrier::wait(&smem.v_full[prev.stage], prev.phase);
+    const int stage = n % T::kStages, prev = (n - 1) % T::kStages;
+    Barrier::wait(&smem.k_full[stage], phase(n));
+    Barrier::wait(&smem.v_full[prev], phase(n - 1));
     scheduler_wait(wg);
     scheduler_pass(wg);
-    Barrier::arrive(&smem.k_empty[cur.stage]);
-    Barrier::arrive(&smem.v_empty[prev.stage]);
+    Barrier::arrive(&smem.k_empty[stage]);
+    Barrier::arrive(&smem.v_empty[prev]);
   }
-  Barrier::arrive(&smem.q_empty);
-  const RingSlot<T> last(tile0 + num_tiles - 1);
-  Barrier::wait(&smem.v_full[last.stage], last.phase);
+  const int last = (num_tiles - 1) % T::kStages;
+  Barrier::wait(&smem.v_full[last], phase(num_tiles - 1));
   scheduler_wait(wg);
   if (wg == 0) scheduler_pass(wg);
-  Barrier::arrive(&smem.v_empty[last.stage]);
+  Barrier::arrive(&smem.v_empty[last]);
 }
 
 template <typename T>
 __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const typename T::Params& p, const int32_t* plan,
-                                        const WorkTile& w, const common::FastDivmod& group, int kv_head, int tile0,
-                                        int item) {
+                                        const WorkTile& w, const common::FastDivmod& group, int kv_head) {
   using namespace cute;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -683,116 +648,86 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
 
   // Software pipeline (FA3 intra-warpgroup overlap): iteration n issues S_n = Q K_n^T and
   // O += P_{n-1} V_{n-1} together, runs the softmax of S_n while the P.V wgmma is in flight, and
-  // only then rescales O. Tile n of the item sits in ring slot tile0 + n.
+  // only then rescales O. Stage of tile n: n % 2; its barriers' phase: (n / 2) & 1.
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
   // A warpgroup whose 64 rows all lie past the tile's rows (decode, a request's last q tile) runs
   // no GEMM: it only keeps the barrier and pingpong counts (a branch around the wgmma issue
   // itself would make ptxas serialize every wgmma).
-  bool bad_page = false;
   if (num_tiles > 0 && wg * (T::kBlockM / 2) >= w.rows) {
-    follow_pipeline<T>(smem, num_tiles, wg, tile0, item);
+    follow_pipeline<T>(smem, num_tiles, wg);
   } else if (num_tiles > 0) {
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     Tensor tOrP = make_tensor<Element>(Shape<Shape<_2, _2, _2>, _1, Int<T::kBlockN / 16>>{});
     float alpha[2];
     if (wg == 1) scheduler_pass(wg);  // warpgroup 0 issues first
-    Barrier::wait(&smem.q_full, item & 1);
-    const RingSlot<T> first(tile0);
-    wait_full(&smem.k_full[first.stage], first.phase);
+    Barrier::wait(&smem.q_full, 0);
+    wait_full(&smem.k_full[0], 0);
     scheduler_wait(wg);
-    issue_qk(tSrS, first.stage);
+    issue_qk(tSrS, 0);
     scheduler_pass(wg);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
-    Barrier::arrive(&smem.k_empty[first.stage]);
+    Barrier::arrive(&smem.k_empty[0]);
     softmax_tile(tSrS, 0, alpha);  // o is still zero: no rescale
     convert_p<T>(tSrS, tOrP);
-    if (num_tiles > 1) {
-      const RingSlot<T> next(tile0 + 1);
-      wait_full(&smem.k_full[next.stage], next.phase);
-    }
+    if (num_tiles > 1) wait_full(&smem.k_full[1 % T::kStages], (1 / T::kStages) & 1);
 
     for (int n = 1; n < num_tiles; ++n) {
-      const RingSlot<T> cur(tile0 + n), prev(tile0 + n - 1);
-      wait_full(&smem.v_full[prev.stage], prev.phase);
+      const int stage = n % T::kStages, prev = (n - 1) % T::kStages;
+      wait_full(&smem.v_full[prev], ((n - 1) / T::kStages) & 1);
       scheduler_wait(wg);
-      issue_qk(tSrS, cur.stage);
-      issue_pv(tOrP, prev.stage);
+      issue_qk(tSrS, stage);
+      issue_pv(tOrP, prev);
       scheduler_pass(wg);
       warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
       warpgroup_fence_operand(tSrS);
-      Barrier::arrive(&smem.k_empty[cur.stage]);
+      Barrier::arrive(&smem.k_empty[stage]);
       softmax_tile(tSrS, n, alpha);
       // The next K tile's wait sits between the softmax and the P.V wait on purpose: ptxas keeps
       // a wgmma wait inside its basic block but hoists it to the block's top, where it would
       // serialize the softmax behind the P.V wgmma; the wait loop is a block boundary.
-      if (n + 1 < num_tiles) {
-        const RingSlot<T> next(tile0 + n + 1);
-        wait_full(&smem.k_full[next.stage], next.phase);
-      }
+      if (n + 1 < num_tiles) wait_full(&smem.k_full[(n + 1) % T::kStages], ((n + 1) / T::kStages) & 1);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
-      Barrier::arrive(&smem.v_empty[prev.stage]);
+      Barrier::arrive(&smem.v_empty[prev]);
       rescale_rows(o, alpha);
       convert_p<T>(tSrS, tOrP);
     }
-    Barrier::arrive(&smem.q_empty);  // every Q.K^T of the item is done: the producer may load the next Q
 
-    const RingSlot<T> last(tile0 + num_tiles - 1);
-    wait_full(&smem.v_full[last.stage], last.phase);
-    bad_page = smem.bad_page[item & 1] != 0;  // reported before the item's last tile arrived
+    const int last = (num_tiles - 1) % T::kStages;
+    wait_full(&smem.v_full[last], ((num_tiles - 1) / T::kStages) & 1);
     scheduler_wait(wg);
-    issue_pv(tOrP, last.stage);
+    issue_pv(tOrP, last);
     if (wg == 0) scheduler_pass(wg);  // warpgroup 1's opening pass already balanced the count
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    Barrier::arrive(&smem.v_empty[last.stage]);
+    Barrier::arrive(&smem.v_empty[last]);
   }
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) d[r] = common::lane_group_sum<4>(d[r]);
+  const bool bad_page = __syncthreads_or(0);  // pairs with the producer's: it has seen every page id
   store_rows<T>(p, plan, w, group, kv_head, bad_page, m, d, o, o_coord);
-}
-
-// The CTA's items, walked alike by both roles: item (work, kv head), its tiles, and the ring slot
-// and Q-load counts of the items before it (items with no key take neither).
-template <typename T, typename Fn>
-__device__ __forceinline__ void for_each_item(const typename T::Params& p, const int32_t* plan,
-                                              const common::FastDivmod& group, Fn&& fn) {
-  const int num_items = plan[common::kPlanNumWork] * p.num_kv_heads;
-  int tile = 0, loaded = 0;
-  for (int round = 0;; ++round) {
-    const int item = round * gridDim.x + (round % 2 == 0 ? blockIdx.x : gridDim.x - 1 - blockIdx.x);
-    if (item >= num_items) break;
-    const WorkTile w = load_work_tile<T>(p, plan, item / p.num_kv_heads, group);
-    const int num_tiles = num_kv_tiles(w, T::kBlockN);
-    fn(w, item % p.num_kv_heads, num_tiles, tile, loaded);
-    if (num_tiles > 0) {
-      tile += num_tiles;
-      ++loaded;
-    }
-  }
-}
-
-// The dynamic window is only 16-byte aligned; the storage starts at the next 1024 bytes.
-template <typename T>
-__device__ __forceinline__ typename T::SharedStorage& shared_storage() {
-  extern __shared__ __align__(16) uint8_t smem_raw[];
-  return *reinterpret_cast<typename T::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 }
 
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_constant__ KernelArgs<T> args) {
   using Barrier = cutlass::arch::ClusterBarrier;
   const auto& p = args.p;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  int32_t* plan = static_cast<int32_t*>(p.plan);
+
+  const int work = blockIdx.x;
+  if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
+  const int kv_head = blockIdx.y;
+
   if (threadIdx.x == 0) {
-    auto& smem = shared_storage<T>();
     if (args.box_rows > 0) {
       cute::prefetch_tma_descriptor(&args.k_pages);
       cute::prefetch_tma_descriptor(&args.v_pages);
     }
     Barrier::init(&smem.q_full, T::kProducerThreads);
-    Barrier::init(&smem.q_empty, T::kConsumerThreads);
 #pragma unroll
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&smem.k_full[s], 1);  // a TMA thread's or thread 0's for a gathered tile
@@ -804,26 +739,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   }
   __syncthreads();
 
-  // Nothing is kept across the register reallocation: each role derives what it needs after it.
+  const common::FastDivmod group(p.group_size);
+  const WorkTile w = load_work_tile<T>(p, plan, work, group);
   if (threadIdx.x < T::kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    auto& smem = shared_storage<T>();
-    int32_t* plan = static_cast<int32_t*>(p.plan);
-    const common::FastDivmod group(p.group_size);
-    for_each_item<T>(p, plan, group, [&](const WorkTile& w, int kv_head, int num_tiles, int tile, int loaded) {
-      if (num_tiles == 0) return;  // the consumers store its zero rows without waiting
-      produce<T>(smem, args, plan, w, group, kv_head, tile, loaded,
-                 BadPageReport{&smem.bad_page[loaded & 1], &plan[common::kPlanError]});
-    });
-    common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
+    bool bad_page = false;
+    produce<T>(smem, args, plan, w, group, kv_head, bad_page);
+    bad_page = __syncthreads_or(bad_page);  // pairs with the consumers'
+    if (bad_page && threadIdx.x == 0) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    auto& smem = shared_storage<T>();
-    int32_t* plan = static_cast<int32_t*>(p.plan);
-    const common::FastDivmod group(p.group_size);
-    for_each_item<T>(p, plan, group, [&](const WorkTile& w, int kv_head, int num_tiles, int tile, int loaded) {
-      consume<T>(smem, p, plan, w, group, kv_head, tile, loaded);
-    });
+    consume<T>(smem, p, plan, w, group, kv_head);
   }
 }
 
@@ -862,12 +788,7 @@ cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
   args.p = p;
   err = encode_kv_maps<T>(args);
   if (err != cudaSuccess) return err;
-  int sms = 0;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device);
-  if (err != cudaSuccess) return err;
-  // Persistent: one CTA per SM at most (the smem allows one), fewer when there are fewer items.
-  const int grid = int(std::min<int64_t>(int64_t(p.work_capacity) * p.num_kv_heads, sms));
-  if (grid == 0) return cudaSuccess;
+  const dim3 grid(p.work_capacity, p.num_kv_heads);
   prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
