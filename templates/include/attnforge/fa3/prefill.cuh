@@ -62,6 +62,10 @@ struct CuteElement<__nv_bfloat16> {
   using type = cutlass::bfloat16_t;
 };
 
+struct PageRow {
+  int32_t page, in_page;
+};
+
 template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
           bool kPagedKV_, bool kSoftCap_, bool kSlidingWindow_>
 struct PrefillTraits {
@@ -86,17 +90,18 @@ struct PrefillTraits {
   // Q + 2 stages of K and V must fit 227 KB: 128-token tiles up to (192, 128) head dims (208 KB),
   // 64-token tiles for (256, 256) (192 KB).
   static constexpr int kBlockN = kHeadDimQK + kHeadDimVO <= 320 ? 128 : 64;
-  // A third K/V stage where it fits (ragged hd <= 128: no page table), since the cp.async gather
-  // has longer latency than TMA; the fixed bytes are the Q tile, the page table, the slack for
-  // aligning the base and the barriers.
+  // A third K/V stage where it fits (hd <= 128, paged too: its page table is one 1 KB slot); the
+  // fixed bytes are the Q tile, the page table, the slack for aligning the base and the barriers.
   static constexpr int kQBytes = kBlockM * kHeadDimQK * 2;
   static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * 2;
-  static constexpr int kTableBytes = kPagedKV ? 3 * kBlockN * 16 : 0;
+  static constexpr int kTableBytes = kPagedKV ? kBlockN * 8 : 0;
   static constexpr int kStages = kQBytes + 3 * kStageBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // cp.async producers need address registers; 128 x (40 + 2 x 232) = 64.5K fits the register file.
+  // setmaxnreg moves registers within the launch allocation (168 x 384): the producer's release,
+  // 128 x (168 - 40), must cover the consumers' growth, 256 x (232 - 168), or their
+  // setmaxnreg.inc waits forever (48 for the producer hangs).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per Q/K row
@@ -132,8 +137,10 @@ struct PrefillTraits {
     alignas(1024) Element q[kBlockM * kHeadDimQK];  // swizzle atoms are 1024 bytes
     alignas(1024) Element k[kStages * kBlockN * kHeadDimQK];
     alignas(1024) Element v[kStages * kBlockN * kHeadDimVO];
-    // paged: global offsets of each tile row in K and in V (-1 past end); ragged needs none
-    int64_t kv_rows[kPagedKV ? kStages : 0][kBlockN][2];
+    // paged, gathered tiles: each row's page and slot in it (page -1 past end); ragged needs none.
+    // One slot serves every gathered tile: it is only read while the tile's copies are issued, and
+    // the producer warpgroup's barrier that ends them precedes the next fill.
+    PageRow page_rows[kPagedKV ? kBlockN : 0];
     uint64_t q_full;
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
   };
@@ -230,24 +237,21 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
 // Paged KV: thread `row` looks its token's page up once per tile for both K and V; a bad page id
 // reads page 0 and raises `bad_page`.
 template <typename T>
-__device__ __forceinline__ void fill_page_table(int64_t (*table)[2], const typename T::Params& p, const int32_t* page_ids,
+__device__ __forceinline__ void fill_page_table(PageRow* table, const typename T::Params& p, const int32_t* page_ids,
                                                 const common::FastDivmod& page_size, int first, int end, int tid,
                                                 bool& bad_page) {
   if (tid >= T::kBlockN) return;
   const int token = first + tid;
-  int64_t k_off = -1, v_off = -1;
+  PageRow row{-1, 0};
   if (token < end) {
-    int page_index, in_page;
-    page_size.divmod(token, page_index, in_page);
+    int page_index;
+    page_size.divmod(token, page_index, row.in_page);
     const int page = __ldg(page_ids + page_index);
     const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
     bad_page |= !ok;
-    const int64_t safe_page = ok ? page : 0;
-    k_off = safe_page * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
-    v_off = safe_page * p.v_stride_page + int64_t(in_page) * p.v_stride_token;
+    row.page = ok ? page : 0;
   }
-  table[tid][0] = k_off;
-  table[tid][1] = v_off;
+  table[tid] = row;
 }
 
 // One K or V tile: kBlockN rows of kCells 16-byte cells, row offsets from `row_offset(row)` (-1:
@@ -371,28 +375,27 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     // Warps 1-3 skipped the boxed tiles, so they meet warp 0 here before waiting on a stage
     // barrier whose phase parity only then means this tile.
     cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
-    // Table slot `stage` was last read for tile n - kStages; every producer thread has passed
-    // tile n - 1's barrier since, so it is free.
     if constexpr (T::kPagedKV) {
-      fill_page_table<T>(smem.kv_rows[stage], p, page_ids, page_size, first, w.end, tid, bad_page);
+      fill_page_table<T>(smem.page_rows, p, page_ids, page_size, first, w.end, tid, bad_page);
       cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
     }
-    auto row_offset = [&](int which, int64_t token_stride) {
-      return [&, which, token_stride](int row) -> int64_t {
+    auto row_offset = [&](int64_t page_stride, int64_t token_stride) {
+      return [&, page_stride, token_stride](int row) -> int64_t {
         if constexpr (T::kPagedKV) {
-          return smem.kv_rows[stage][row][which];
+          const PageRow r = smem.page_rows[row];
+          return r.page < 0 ? int64_t(-1) : int64_t(r.page) * page_stride + int64_t(r.in_page) * token_stride;
         } else {
           return first + row < w.end ? int64_t(kv_token_base + first + row) * token_stride : int64_t(-1);
         }
       };
     };
     Barrier::wait(&smem.k_empty[stage], free_phase);
-    load_kv_tile<T, T::kCellsQK>(k_smem, k_head, tid, row_offset(0, p.kv_stride_token), [&](int row, int cell) {
+    load_kv_tile<T, T::kCellsQK>(k_smem, k_head, tid, row_offset(p.kv_stride_page, p.kv_stride_token), [&](int row, int cell) {
       return swizzled_offset<typename T::SmemLayoutK, typename T::Element>(row, cell * 8, stage);
     });
     arrive_gathered(&smem.k_full[stage], T::kProducerThreads, tid);
     Barrier::wait(&smem.v_empty[stage], free_phase);
-    load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(1, p.v_stride_token), [&](int row, int cell) {
+    load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), [&](int row, int cell) {
       return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * 8, row, stage);
     });
     arrive_gathered(&smem.v_full[stage], T::kProducerThreads, tid);
