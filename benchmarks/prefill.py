@@ -31,7 +31,8 @@ from ._timing import copy_bandwidth_gbps, time_cuda_us
 NUM_QO_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_DIM = 128
-HEADS_BY_HEAD_DIM = {64: (32, 8), 128: (32, 8), 256: (16, 4)}  # (query, kv) heads: the acceptance configs
+# (query, kv) heads per head dim: the acceptance configs
+HEADS_BY_HEAD_DIM = {64: (NUM_QO_HEADS, NUM_KV_HEADS), HEAD_DIM: (NUM_QO_HEADS, NUM_KV_HEADS), 256: (16, 4)}
 PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 WORKSPACE_BYTES = 256 << 20
@@ -73,7 +74,7 @@ class Heads:
         return Heads(*HEADS_BY_HEAD_DIM[dim], dim)
 
 
-ACCEPTANCE = Heads(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM)
+ACCEPTANCE = Heads.for_head_dim(HEAD_DIM)
 
 
 @dataclass

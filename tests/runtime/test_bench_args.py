@@ -39,3 +39,13 @@ def test_prefill_markdown_has_a_column_pair_per_decode_path():
     assert "| 4 x 4096 | 256 (16/4) | yes |" in table
     header = next(line for line in table.splitlines() if line.startswith("| group |"))
     assert header.count("% copy BW") == len(prefill.DECODE_PATHS)
+
+
+def test_decode_kv_dtype_refuses_unknown(capsys):
+    from attnforge.benchmarks import decode
+
+    assert decode.parse_args(["--kv-dtype", "bf16", "e4m3"]).kv_dtype == ["bf16", "e4m3"]
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--kv-dtype", "fp4"])
+    err = capsys.readouterr().err
+    assert "--kv-dtype" in err and "fp4" in err
