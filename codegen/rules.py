@@ -18,6 +18,8 @@ FA2_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)}
 # (192, 128) waits for a producer copy pattern that 24 cells per row divide; fa2 serves it.
 FA3_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
 DECODE_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
+# fp8 (e4m3) fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 would need a 64-byte swizzle.
+FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(128, 128), (256, 256)})
 
 
 @dataclass(frozen=True)
@@ -168,10 +170,17 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.kind is Kind.DECODE and s.fp16_qk_reduction,
     ),
     Rule(
-        "fa3-fp8-not-built",
-        "the fa3 kernels of this version take bf16/fp16 q and kv; q is {s.dtype_q.short}, kv {s.dtype_kv.short}",
-        "use a bf16/fp16 query and KV cache with fa3",
-        lambda s: _fa3(s) and (s.dtype_q.is_fp8 or s.dtype_kv.is_fp8),
+        "fa3-fp8-e4m3-only",
+        "fa3 fp8 kernels are built for e4m3 q and kv; q is {s.dtype_q.short}, kv {s.dtype_kv.short}",
+        "quantize q and kv to e4m3, or use backend fa2 with a 16-bit query (it dequantizes e5m2 KV)",
+        lambda s: _fa3(s) and (s.dtype_q is DType.E5M2 or s.dtype_kv is DType.E5M2),
+    ),
+    Rule(
+        "fa3-fp8-head-dims",
+        "fa3 fp8 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}): fp8 rows must fill "
+        "128-byte swizzle lines",
+        "use head dims " + _pairs(FA3_FP8_PREFILL_HEAD_DIMS) + ", or a 16-bit query and KV cache",
+        lambda s: _fa3(s) and s.dtype_q.is_fp8 and _dims(s) not in FA3_FP8_PREFILL_HEAD_DIMS,
     ),
     Rule(
         "prefill-no-fp16-qk-reduction",

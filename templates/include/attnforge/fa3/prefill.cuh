@@ -1,6 +1,11 @@
 // Role: FA3 batch prefill for Hopper (sm_90a): a producer warpgroup fills a 2-3 stage shared-memory
 //   ring with K/V tiles (ragged: TMA; paged: a cp.async gather), two consumer warpgroups run wgmma
 //   (QK^T SS, PV RS) and the online softmax in registers.
+//   FP8 (e4m3 q, k, v; 16-bit o): every tile is gathered (no TMA), and the producer writes V
+//   transposed (kv contiguous), since the fp8 wgmma reads only K-major shared operands; its kv
+//   order is the one P's registers come in (see p_key_of_slot). P is 2^8 times the softmax
+//   weights to use e4m3's range; the ratio o / d cancels it and lse takes it back. Scales: the
+//   host folds q_scale * k_scale into sm_scale and multiplies o by v_scale.
 //
 // Contract (/work/prefill-contract.md), the same plan image and params as fa2/prefill.cuh:
 //   grid = (work_capacity, num_kv_heads); block = 384 threads (warpgroup 0 produces, 1 and 2
@@ -61,6 +66,20 @@ template <>
 struct CuteElement<__nv_bfloat16> {
   using type = cutlass::bfloat16_t;
 };
+template <>
+struct CuteElement<__nv_fp8_e4m3> {
+  using type = cutlass::float_e4m3_t;
+};
+
+// FP8 P.V: the fp8 A fragment holds, per 32 keys, lane t's keys 4t..4t+3 and 16+4t..16+4t+3 of
+// rows r and r + 8, while the fp32 S accumulator holds keys 8j+2t, 8j+2t+1 (j = 0..3). Rather
+// than moving values between lanes, P keeps S's keys in each lane (convert_p packs them in A's
+// register order) and V's rows are put in the same order: wgmma slot k of each 16 takes the key
+// p_key_of_slot(k), so the sum over keys is unchanged.
+__host__ __device__ constexpr int p_key_of_slot(int slot) {
+  const int lane = (slot % 16) / 4, i = slot % 4;
+  return slot / 16 * 16 + 2 * lane + i % 2 + 8 * (i / 2);
+}
 
 struct PageRow {
   int32_t page, in_page;
@@ -79,21 +98,27 @@ struct PrefillTraits {
   static constexpr bool kSoftCap = kSoftCap_;
   static constexpr bool kSlidingWindow = kSlidingWindow_;
 
-  static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one 16-bit type");
-  static_assert(sizeof(DTypeKV) == 2 && sizeof(DTypeO) == 2, "fa3 prefill dtypes: half or bf16 only");
-  static_assert(kHeadDimQK % 64 == 0 && kHeadDimVO % 64 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
-                "fa3 prefill head dims: multiples of 64 up to 256 (rows fill whole 128-byte swizzle lines)");
+  static constexpr bool kFp8 = sizeof(DTypeKV) == 1;
+  static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one type (rule fa3-same-dtype-family)");
+  static_assert(sizeof(DTypeO) == 2, "fa3 prefill dtypes: o is half or bf16 (rule o-not-fp8)");
+  static constexpr int kElementBytes = int(sizeof(DTypeKV));
+  // Rows must fill whole 128-byte swizzle lines: 64 16-bit or 128 fp8 elements.
+  static constexpr int kLineElements = 128 / kElementBytes;
+  static_assert(kHeadDimQK % kLineElements == 0 && kHeadDimVO % kLineElements == 0 && kHeadDimQK <= 256 &&
+                    kHeadDimVO <= 256,
+                "fa3 prefill head dims: multiples of 64 (16-bit) or 128 (fp8) up to 256 (rule fa3-head-dims)");
 
   using Element = typename CuteElement<DTypeKV>::type;
 
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x the 64 rows of one wgmma
-  // Q + 2 stages of K and V must fit 227 KB: 128-token tiles up to (192, 128) head dims (208 KB),
-  // 64-token tiles for (256, 256) (192 KB).
-  static constexpr int kBlockN = kHeadDimQK + kHeadDimVO <= 320 ? 128 : 64;
+  // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
+  // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
+  // tile's kv rows must fill a 128-byte line, and (256, 256) then fits three stages (224 KB).
+  static constexpr int kBlockN = kFp8 || kHeadDimQK + kHeadDimVO <= 320 ? 128 : 64;
   // A third K/V stage where it fits (hd <= 128, paged too: its page table is one 1 KB slot); the
   // fixed bytes are the Q tile, the page table, the slack for aligning the base and the barriers.
-  static constexpr int kQBytes = kBlockM * kHeadDimQK * 2;
-  static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDimQK * kElementBytes;
+  static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * kElementBytes;
   static constexpr int kTableBytes = kPagedKV ? kBlockN * 8 : 0;
   static constexpr int kStages = kQBytes + 3 * kStageBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
   static constexpr int kProducerThreads = 128;
@@ -104,23 +129,35 @@ struct PrefillTraits {
   // setmaxnreg.inc waits forever (48 for the producer hangs).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
-  static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per Q/K row
-  static constexpr int kCellsVO = kHeadDimVO / 8;
+  static constexpr int kCellElements = 16 / kElementBytes;  // elements per 16-byte cell
+  static constexpr int kCellsQK = kHeadDimQK / kCellElements;  // cells per Q/K row
+  static constexpr int kCellsVO = kHeadDimVO / kCellElements;
 
-  // K-major 128B-swizzled tiles for Q and K; V keeps its natural [kv, d] rows, which the PV wgmma
-  // reads as an MN-major B operand (16-bit types may be transposed by the descriptor). Both tile
-  // rows first, so each 64-dim column block of a stage is one contiguous TMA box.
+  // K-major 128B-swizzled tiles for Q and K. 16-bit V keeps its natural [kv, d] rows, which the PV
+  // wgmma reads as an MN-major B operand (the descriptor may transpose 16-bit types); fp8 V is
+  // stored transposed, K-major (kv contiguous), by the producer. 16-bit tiles are laid out rows
+  // first, so each 64-dim column block of a stage is one contiguous TMA box.
+  using VtAtom = std::conditional_t<kFp8, cute::GMMA::Layout_K_SW128_Atom<Element>,
+                                    cute::GMMA::Layout_MN_SW128_Atom<Element>>;
+  using VtOrder = std::conditional_t<kFp8, cute::Step<cute::_1, cute::_2, cute::_3>,
+                                     cute::Step<cute::_2, cute::_1, cute::_3>>;
+  static constexpr auto kMajorV = kFp8 ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
   using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimQK>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},
       cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimQK>, cute::Int<kStages>>{}));
   using SmemLayoutVt = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<kHeadDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{},
-      cute::Step<cute::_2, cute::_1, cute::_3>{}));
-  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDimQK * 2;
-  static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimVO * 2;
+      VtAtom{}, cute::Shape<cute::Int<kHeadDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{}, VtOrder{}));
+  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDimQK * kElementBytes;
+  static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimVO * kElementBytes;
+  // P as the PV wgmma's A operand: the 16-bit ((2, 2, 2), 1, N/16) of 16-key blocks, or the fp8
+  // ((4, 2, 2), 1, N/32) of 32-key blocks; both hold S's kBlockN / 2 values per thread.
+  using FragmentPShape = std::conditional_t<
+      kFp8, cute::Shape<cute::Shape<cute::_4, cute::_2, cute::_2>, cute::_1, cute::Int<kBlockN / 32>>,
+      cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::Int<kBlockN / 16>>>;
+  // exp2 offset of P: 2^8 times the weights puts the largest (1) at 256 of e4m3's 448.
+  static constexpr float kPExponentOffset = kFp8 ? 8.f : 0.f;
 
   // One 64-row wgmma per consumer warpgroup, the two stacked along M.
   using TiledMmaQK = decltype(cute::make_tiled_mma(
@@ -130,7 +167,7 @@ struct PrefillTraits {
   using TiledMmaPV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float,
                                  cute::Shape<cute::_64, cute::Int<kHeadDimVO>, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+                                 cute::GMMA::Major::K, kMajorV>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 
   struct SharedStorage {
@@ -147,6 +184,8 @@ struct PrefillTraits {
   // The dynamic window is only 16-byte aligned: room to round the base up to 1024.
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "fa3 prefill smem: Q + 2 stages of K and V exceed 227 KB");
+  // The fp8 V transpose moves 4 x 4-byte blocks, and the kv reorder works on 32-key groups.
+  static_assert(!kFp8 || (kBlockN % 32 == 0 && kHeadDimVO % 4 == 0), "fa3 fp8: V transposes in 4 x 4 blocks");
 };
 
 // What the kernel receives: the module's params and the TMA descriptors of K and V (encoded per
@@ -228,9 +267,10 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
       int token, head_in_group;
       group.divmod(w.row_begin + row, token, head_in_group);
       src += int64_t(w.qo_begin + token) * p.q_stride_n + int64_t(kv_head * p.group_size + head_in_group) * p.q_stride_h +
-             cell * 8;
+             cell * T::kCellElements;
     }
-    common::cp_async_16(base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(row, cell * 8), src, valid);
+    common::cp_async_16(base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(row, cell * T::kCellElements),
+                        src, valid);
   }
 }
 
@@ -274,13 +314,14 @@ __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename 
     const int row = row0 + i * kRowsPerPass;
     const int64_t off = row_offset(row);
     const uint32_t dst = kRowsPerPass % 8 == 0 ? base + i * step : smem_offset(row, cell);
-    common::cp_async_16(smem_base + dst, head_base + max(off, int64_t(0)) + cell * 8, off >= 0);
+    common::cp_async_16(smem_base + dst, head_base + max(off, int64_t(0)) + cell * T::kCellElements, off >= 0);
   }
 }
 
 // Whether the tile at `first` comes by TMA (the same answer in every producer thread).
 template <typename T>
 __device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const WorkTile& w, int first) {
+  if constexpr (T::kFp8) return false;  // see encode_kv_maps
   if (args.box_rows == 0 || first + T::kBlockN > w.end) return false;
   if constexpr (!T::kPagedKV) return true;
   const int page_size = args.p.page_size;
@@ -328,6 +369,49 @@ __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem
   load(args.v_pages, reinterpret_cast<uint8_t*>(smem.v), &smem.v_empty[stage], &smem.v_full[stage], T::kTmaBytesV,
        cute::Int<T::kHeadDimVO>{},
        [&](int row, int col) { return swizzled_offset<typename T::SmemLayoutVt, Element>(col, row, stage); });
+}
+
+// FP8 V tile, transposed: Vt(d, slot) = V(p_key_of_slot(slot), d), K-major for the PV wgmma.
+// A thread reads 4 bytes (4 dims) of each of the 4 keys of 4 consecutive slots and writes them
+// as 4 words of 4 slots, one per dim (a 4 x 4 byte transpose in registers). Consecutive threads
+// take consecutive dims, so a warp reads 128 contiguous bytes of each key. Keys past the range
+// read as zeros (row offset -1), as in the gather.
+template <typename T, typename RowOffset>
+__device__ __forceinline__ void load_v_tile_transposed(uint8_t* smem_base, const typename T::DTypeKV* head_base, int tid,
+                                                       RowOffset row_offset, int stage) {
+  constexpr int kDimGroups = T::kHeadDimVO / 4, kBlocks = kDimGroups * T::kBlockN / 4;
+  static_assert(kBlocks % T::kProducerThreads == 0, "fa3 fp8 V transpose: every producer thread moves alike");
+  // Not unrolled: the producer has 40 registers.
+#pragma unroll 1
+  for (int b = tid; b < kBlocks; b += T::kProducerThreads) {
+    const int dim = b % kDimGroups * 4, slot = b / kDimGroups * 4;
+    uint32_t key_words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t off = row_offset(p_key_of_slot(slot + i));
+      key_words[i] = off >= 0 ? __ldg(reinterpret_cast<const uint32_t*>(head_base + off + dim)) : 0u;
+    }
+    // Bytes (key i, dim c) -> word c, byte i.
+    const uint32_t lo01 = __byte_perm(key_words[0], key_words[1], 0x5140);  // k0d0 k1d0 k0d1 k1d1
+    const uint32_t lo23 = __byte_perm(key_words[2], key_words[3], 0x5140);
+    const uint32_t hi01 = __byte_perm(key_words[0], key_words[1], 0x7362);  // k0d2 k1d2 k0d3 k1d3
+    const uint32_t hi23 = __byte_perm(key_words[2], key_words[3], 0x7362);
+    const uint32_t dim_words[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                                   __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      *reinterpret_cast<uint32_t*>(
+          smem_base + swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(dim + c, slot, stage)) = dim_words[c];
+    }
+  }
+}
+
+// The whole warpgroup's plain stores into a stage are done: made visible to the wgmma (async
+// proxy), then thread 0 arrives on `full` for all.
+__device__ __forceinline__ void arrive_stored(uint64_t* full, int producer_threads, int tid) {
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(producer_threads, kBarrierProducer);
+  if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
 }
 
 // The whole warpgroup's cp.async copies into a stage are done: count them on `full`, which
@@ -391,14 +475,19 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     };
     Barrier::wait(&smem.k_empty[stage], free_phase);
     load_kv_tile<T, T::kCellsQK>(k_smem, k_head, tid, row_offset(p.kv_stride_page, p.kv_stride_token), [&](int row, int cell) {
-      return swizzled_offset<typename T::SmemLayoutK, typename T::Element>(row, cell * 8, stage);
+      return swizzled_offset<typename T::SmemLayoutK, typename T::Element>(row, cell * T::kCellElements, stage);
     });
     arrive_gathered(&smem.k_full[stage], T::kProducerThreads, tid);
     Barrier::wait(&smem.v_empty[stage], free_phase);
-    load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), [&](int row, int cell) {
-      return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * 8, row, stage);
-    });
-    arrive_gathered(&smem.v_full[stage], T::kProducerThreads, tid);
+    if constexpr (T::kFp8) {
+      load_v_tile_transposed<T>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), stage);
+      arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
+    } else {
+      load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), [&](int row, int cell) {
+        return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * T::kCellElements, row, stage);
+      });
+      arrive_gathered(&smem.v_full[stage], T::kProducerThreads, tid);
+    }
   }
   common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
 }
@@ -440,8 +529,10 @@ struct KeyMask {
 // m is kept in the base-2 scaled domain; d is this lane's partial sum until the final quad reduce.
 // Returns in `alpha` the factor the rows' o must be multiplied by (the caller does it once the
 // P.V wgmma still reading o has finished).
+// `offset` (log2) scales the weights (and so d) by 2^offset; o / d is unchanged.
 template <typename TensorS>
-__device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], float scale, float (&alpha)[2]) {
+__device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], float scale, float offset,
+                                               float (&alpha)[2]) {
   using namespace cute;
   static_assert(decltype(size<0>(s))::value == 2, "fa3: two rows per thread");
 #pragma unroll
@@ -456,7 +547,7 @@ __device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float 
     alpha[r] = common::fast_exp2(m[r] - m_safe);
     m[r] = m_new;
     d[r] *= alpha[r];
-    const float neg_m = -m_safe;
+    const float neg_m = offset - m_safe;
 #pragma unroll
     for (int c = 0; c < size<1>(s); ++c) {
       s(r, c) = common::fast_exp2(fmaf(s(r, c), scale, neg_m));
@@ -476,12 +567,28 @@ __device__ __forceinline__ void rescale_rows(TensorO& o, const float (&alpha)[2]
 
 // The fp32 accumulator's per-thread order equals the 16-bit A operand's ((2, 2, 2), 1, N/16):
 // pairs of columns, row halves, then 8-column blocks. So P is S converted in place, two at a time.
+// FP8 packs four per register, row r's two column pairs of two 8-column blocks, then row r + 8's
+// (S values 0 1 4 5 | 2 3 6 7 of each 8): the keys p_key_of_slot gives V's rows.
 template <typename T, typename TensorS, typename TensorP>
 __device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag) {
   static_assert(decltype(cute::size(p_frag))::value == decltype(cute::size(s_acc))::value, "fa3: P and S fragments differ");
   auto words = cute::recast<uint32_t>(p_frag);
+  if constexpr (T::kFp8) {
+    auto pack4 = [](float a, float b, float c, float d) {
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+      return lo | (hi << 16);
+    };
 #pragma unroll
-  for (int i = 0; i < cute::size(words); ++i) words(i) = common::pack2<typename T::DTypeKV>(s_acc(2 * i), s_acc(2 * i + 1));
+    for (int i = 0; i < cute::size(words); i += 2) {
+      const int s = 4 * i;
+      words(i) = pack4(s_acc(s), s_acc(s + 1), s_acc(s + 4), s_acc(s + 5));
+      words(i + 1) = pack4(s_acc(s + 2), s_acc(s + 3), s_acc(s + 6), s_acc(s + 7));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < cute::size(words); ++i) words(i) = common::pack2<typename T::DTypeKV>(s_acc(2 * i), s_acc(2 * i + 1));
+  }
 }
 
 // Pingpong: the two consumer warpgroups take turns issuing their wgmma batches, so one's GEMMs
@@ -512,7 +619,7 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const in
     group.divmod(w.row_begin + row, token, head_in_group);
     const int qo_head = kv_head * p.group_size + head_in_group;
     const float inv_d = bad_page ? NAN : (d[r] > 0.f ? 1.f / d[r] : 0.f);
-    const float lse = bad_page ? NAN : (d[r] > 0.f ? m[r] + log2f(d[r]) : common::kNegInf);
+    const float lse = bad_page ? NAN : (d[r] > 0.f ? m[r] + log2f(d[r]) - T::kPExponentOffset : common::kNegInf);
     if (w.slot < 0) {
       DTypeO* o_row = static_cast<DTypeO*>(p.o) + int64_t(w.qo_begin + token) * p.o_stride_n + int64_t(qo_head) * p.o_stride_h;
 #pragma unroll
@@ -646,7 +753,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
     const int first = w.begin + n * T::kBlockN;
     Tensor s = make_tensor(s_acc.data(), rowcol(s_acc.layout()));
     const float scale = transform_scores<T>(p, mask, mask.tile_needs_mask(first), first, q_pos, s, s_coord);
-    online_softmax(s, m, d, scale, alpha);
+    online_softmax(s, m, d, scale, T::kPExponentOffset, alpha);
   };
 
   // Software pipeline (FA3 intra-warpgroup overlap): iteration n issues S_n = Q K_n^T and
@@ -660,7 +767,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
     follow_pipeline<T>(smem, num_tiles, wg);
   } else if (num_tiles > 0) {
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
-    Tensor tOrP = make_tensor<Element>(Shape<Shape<_2, _2, _2>, _1, Int<T::kBlockN / 16>>{});
+    Tensor tOrP = make_tensor<Element>(typename T::FragmentPShape{});
     float alpha[2];
     if (wg == 1) scheduler_pass(wg);  // warpgroup 0 issues first
     Barrier::wait(&smem.q_full, 0);
@@ -770,7 +877,8 @@ cudaError_t encode_kv_maps(KernelArgs<T>& args) {
   const auto& p = args.p;
   const int64_t page_size = T::kPagedKV ? p.page_size : p.num_pages;
   const bool boxable = page_size >= T::kBlockN || (page_size % 8 == 0 && T::kBlockN % page_size == 0);
-  args.box_rows = p.num_pages > 0 && (boxable || !T::kPagedKV) ? int(std::min<int64_t>(page_size, T::kBlockN)) : 0;
+  // FP8 tiles are all gathered: the maps are of 16-bit elements and V needs its transpose anyway.
+  args.box_rows = !T::kFp8 && p.num_pages > 0 && (boxable || !T::kPagedKV) ? int(std::min<int64_t>(page_size, T::kBlockN)) : 0;
   if (args.box_rows == 0) return cudaSuccess;
   const int64_t pages = T::kPagedKV ? p.num_pages : 1;
   const int64_t k_page_stride = T::kPagedKV ? p.kv_stride_page : p.kv_stride_token * page_size;
