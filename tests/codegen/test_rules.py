@@ -35,7 +35,8 @@ EXAMPLES = {
     "decode-no-custom-mask": dict(use_custom_mask=True),
     "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
     "decode-no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
-    "fa3-fp8-not-built": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3),
+    "fa3-fp8-e4m3-only": dict(FA3, dtype_q=DType.E5M2, dtype_kv=DType.E5M2),
+    "fa3-fp8-head-dims": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64),
     "prefill-no-fp16-qk-reduction": dict(kind=Kind.PREFILL, dtype_q=DType.FP16, dtype_kv=DType.FP16,
                                          fp16_qk_reduction=True),
 }
@@ -52,6 +53,13 @@ def test_rule_fires(decode_spec, rule_id):
     with pytest.raises(UnsupportedSpecError) as info:
         ensure_valid(spec)
     assert rule_id in info.value.rule_ids
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fa3_e4m3_prefill_is_valid(decode_spec, head_dim):
+    spec = replace(decode_spec, **FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, dtype_o=DType.BF16,
+                   head_dim_qk=head_dim, head_dim_vo=head_dim)
+    assert check(spec) == []
 
 
 def test_valid_decode_spec_passes(decode_spec):

@@ -44,7 +44,9 @@ SPECS = {"sm80": decode_spec((Arch.SM80,)), "sm90a": decode_spec((Arch.SM90A,)),
          "prefill_e4m3_kv_sm80": prefill_spec((Arch.SM80,), DType.E4M3),
          "prefill_e4m3_kv_sm90a": prefill_spec((Arch.SM90A,), DType.E4M3),
          "prefill_e5m2_kv_sm90a": prefill_spec((Arch.SM90A,), DType.E5M2),
-         "fa3_sm90a": replace(prefill_spec((Arch.SM90A,)), backend=Backend.FA3)}
+         "fa3_sm90a": replace(prefill_spec((Arch.SM90A,)), backend=Backend.FA3),
+         "fa3_e4m3_sm90a": replace(prefill_spec((Arch.SM90A,)), backend=Backend.FA3, dtype_q=DType.E4M3,
+                                   dtype_kv=DType.E4M3)}
 
 
 class _Records(logging.Handler):
@@ -227,21 +229,27 @@ def _cuda_tool(name: str, wheel: str) -> str | None:
     return next((str(Path(f.locate())) for f in files if f.name == name), None)
 
 
-def test_fa3_module_sass_holds_hgmma(built):
-    """The fa3 kernels issue wgmma (HGMMA in SASS): a build that fell back to anything else would
-    pass every functional test at a fraction of the speed."""
+# (module, its wgmma's SASS mnemonic, batches per wait at least): the fp8 wgmma has twice the K of
+# a 16-bit one, so half the instructions per tile meet the same four waits.
+FA3_SASS = [("fa3_sm90a", "HGMMA.", 4), ("fa3_e4m3_sm90a", "QGMMA.64x128x32.F32.E4M3.E4M3", 2)]
+
+
+@pytest.mark.parametrize("name, gmma, per_wait", FA3_SASS, ids=[name for name, *_ in FA3_SASS])
+def test_fa3_module_sass_holds_hgmma(built, name, gmma, per_wait):
+    """The fa3 kernels issue wgmma (HGMMA, or QGMMA with e4m3 operands, in SASS): a build that fell
+    back to anything else would pass every functional test at a fraction of the speed."""
     cuobjdump = _cuda_tool("cuobjdump", "nvidia-cuda-cuobjdump")
     nvdisasm = _cuda_tool("nvdisasm", "nvidia-cuda-nvdisasm")  # cuobjdump -sass runs it
     if cuobjdump is None or nvdisasm is None:
         pytest.skip("no cuobjdump/nvdisasm (install the test extras nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
-    module, _ = built["fa3_sm90a"]
+    module, _ = built[name]
     env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     result = subprocess.run([cuobjdump, "-sass", str(module.path)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     sass = result.stdout
-    assert "HGMMA" in sass
+    assert gmma in sass
     # ptxas may also serialize wgmma without a C7510 warning (a wait after every HGMMA, seen when a
     # branch guarded the issue): each variant keeps its handful of batch waits.
     for kernel in sass.split("Function : ")[1:]:
-        hgmma, waits = kernel.count("HGMMA."), kernel.count("WARPGROUP.DEPBAR")
-        assert hgmma == 0 or waits * 4 < hgmma, f"{kernel.split()[0]}: {waits} wgmma waits for {hgmma} HGMMA"
+        count, waits = kernel.count(gmma), kernel.count("WARPGROUP.DEPBAR")
+        assert count == 0 or waits * per_wait < count, f"{kernel.split()[0]}: {waits} wgmma waits for {count} {gmma}"

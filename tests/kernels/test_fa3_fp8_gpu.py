@@ -1,0 +1,128 @@
+"""FA3 fp8 (e4m3 q, k, v; bf16 o) prefill on the GPU against attnforge.reference fed the dequantized
+inputs (fp8 value * scale, fp32): what is left is the e4m3 rounding of P, the fp8 wgmma's
+reduced-precision accumulation and the bf16 output.
+
+Not yet run on a GPU: the bounds below are first guesses, to be set from the printed statistics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnforge
+from attnforge import reference
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+WORKSPACE = 256 << 20
+E4M3 = torch.float8_e4m3fn
+# P in e4m3 keeps 3 mantissa bits (relative rounding up to 2^-4, random in sign), so o's relative
+# L2 error is a few percent of that at most; max abs is bounded in units of max |v|.
+REL_L2_TOL = 3e-2
+MAX_ABS_TOL = 0.1
+
+
+def quantized(shape, scale: float, gen) -> torch.Tensor:
+    """fp32 randn divided by `scale` and rounded to e4m3: the tensor stands for fp8 value * scale."""
+    return (torch.randn(shape, device=DEVICE, generator=gen) / scale).to(E4M3)
+
+
+def error_stats(out: torch.Tensor, o_ref: torch.Tensor) -> tuple[float, float]:
+    """(relative L2, max abs) error of o against the fp32 reference."""
+    diff = out.float() - o_ref.float()
+    return (diff.norm() / o_ref.float().norm().clamp_min(1e-30)).item(), diff.abs().max().item()
+
+
+def pages_of(kv_lens: list[int], page_size: int, gen) -> tuple:
+    """Shuffled page ids for the requests: (pages per request, ids, page indptr, last page lengths)."""
+    pages = [math.ceil(n / page_size) for n in kv_lens]
+    ids = torch.randperm(sum(pages) + 2, device=DEVICE, generator=gen)[: sum(pages)].to(torch.int32)
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+    return pages, ids, indptr, last
+
+
+def paged_copy(dense: torch.Tensor, kv_lens: list[int], pages: list[int], ids: torch.Tensor, page_size: int):
+    """A ragged [total_kv, H, D] tensor laid out in the pages `ids` of a [pool, page_size, H, D] cache."""
+    paged = torch.zeros(len(ids) + 2, page_size, *dense.shape[1:], dtype=dense.dtype, device=DEVICE)
+    start, page = 0, 0
+    for n, p in zip(kv_lens, pages):
+        for j in range(p):
+            rows = dense[start + j * page_size: start + min(n, (j + 1) * page_size)]
+            paged[int(ids[page + j]), : rows.shape[0]] = rows
+        start, page = start + n, page + p
+    return paged
+
+
+def indptr_of(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, paged: bool, causal: bool, gen):
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
+    head_dim = q.shape[-1]
+    types = dict(q_data_type=E4M3, kv_data_type=E4M3, o_data_type=torch.bfloat16, causal=causal)
+    if paged:
+        page_size = 16
+        pages, ids, page_indptr, last = pages_of(kv_lens, page_size, gen)
+        cache = tuple(paged_copy(x, kv_lens, pages, ids, page_size) for x in (k, v))
+        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend="fa3")
+        wrapper.plan(indptr_of(qo_lens), page_indptr, ids, last, *heads, head_dim, page_size, **types)
+        return wrapper.run(q, cache, return_lse=True, **scales)
+    wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend="fa3")
+    wrapper.plan(indptr_of(qo_lens), indptr_of(kv_lens), *heads, head_dim, **types)
+    return wrapper.run(q, k, v, return_lse=True, **scales)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "ragged"])
+@pytest.mark.parametrize("kv_len", [300, 4096, 16384])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fa3_fp8_matches_dequantized_reference(head_dim, kv_len, paged, capsys):
+    """Causal batch (a decode row, a short and a long prefill; GQA 4) at growing context lengths:
+    error statistics printed for the issue and bounded."""
+    gen = torch.Generator(device=DEVICE).manual_seed(kv_len + head_dim)
+    qo_lens, kv_lens, heads = [1, 77, 700], [kv_len] * 3, (8, 2)
+    scales = dict(q_scale=0.5, k_scale=2.0, v_scale=0.75)
+    q = quantized((sum(qo_lens), heads[0], head_dim), scales["q_scale"], gen)
+    k = quantized((sum(kv_lens), heads[1], head_dim), scales["k_scale"], gen)
+    v = quantized((sum(kv_lens), heads[1], head_dim), scales["v_scale"], gen)
+    out, lse = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, paged, causal=True, gen=gen)
+    o_ref, lse_ref = reference.batch_prefill_ragged(
+        q.float() * scales["q_scale"], k.float() * scales["k_scale"], v.float() * scales["v_scale"],
+        indptr_of(qo_lens), indptr_of(kv_lens), causal=True, o_dtype=torch.float32)
+    assert out.dtype is torch.bfloat16 and not out.isnan().any()
+    rel_l2, max_abs = error_stats(out, o_ref)
+    with capsys.disabled():
+        print(f"\n[fa3 fp8 prefill] hd={head_dim} kv_len={kv_len} paged={paged}: o relative L2 {rel_l2:.3e}, "
+              f"max abs {max_abs:.3e}, lse max abs {(lse - lse_ref).abs().max().item():.3e}")
+    assert rel_l2 <= REL_L2_TOL
+    assert max_abs <= MAX_ABS_TOL * (v.float() * scales["v_scale"]).abs().max().item()
+    torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_tensor_core_decode_on_fa3_fp8_equals_prefill(group):
+    """Decode through the fa3 fp8 prefill kernels equals paged prefill with one query per request on
+    the same cache: the same kernel, so only the plan differs."""
+    gen = torch.Generator(device=DEVICE).manual_seed(group)
+    batch, kv_heads, dim, page_size = 17, 2, 128, 16
+    kv_lens = torch.randint(1, 5000, (batch,), generator=torch.Generator().manual_seed(group)).tolist()
+    pages, ids, page_indptr, last = pages_of(kv_lens, page_size, gen)
+    k = quantized((sum(kv_lens), kv_heads, dim), 1.0, gen)
+    v = quantized((sum(kv_lens), kv_heads, dim), 1.0, gen)
+    cache = tuple(paged_copy(x, kv_lens, pages, ids, page_size) for x in (k, v))
+    q = quantized((batch, kv_heads * group, dim), 1.0, gen)
+    scales = dict(q_scale=1.0, k_scale=0.5, v_scale=1.5)
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
+    decode = attnforge.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=True, backend="fa3")
+    decode.plan(page_indptr, ids, last, kv_heads * group, kv_heads, dim, page_size, q_data_type=E4M3,
+                kv_data_type=E4M3, o_data_type=torch.bfloat16)
+    o_decode, lse_decode = decode.run(q, cache, return_lse=True, **scales)
+    o_prefill, lse_prefill = run_fa3_fp8(q, k, v, [1] * batch, kv_lens, (kv_heads * group, kv_heads), scales,
+                                         paged=True, causal=False, gen=torch.Generator(device=DEVICE).manual_seed(9))
+    torch.testing.assert_close(o_decode.float(), o_prefill.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse_decode, lse_prefill, atol=1e-3, rtol=1e-4)
