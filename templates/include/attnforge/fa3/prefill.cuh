@@ -547,7 +547,8 @@ __device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float 
     alpha[r] = common::fast_exp2(m[r] - m_safe);
     m[r] = m_new;
     d[r] *= alpha[r];
-    const float neg_m = offset - m_safe;
+    // offset 0 (16-bit) must stay -m_safe: 0 - m is no FNEG (signed zeros), and costs an FADD per row.
+    const float neg_m = offset != 0.f ? offset - m_safe : -m_safe;
 #pragma unroll
     for (int c = 0; c < size<1>(s); ++c) {
       s(r, c) = common::fast_exp2(fmaf(s(r, c), scale, neg_m));
