@@ -111,21 +111,24 @@ def make_problem(batch: int, length: int, h: Heads = ACCEPTANCE, seed: int = 0) 
                    page_ids, last)
 
 
-def ours(problem: Problem, causal: bool, paged: bool, backend: str):
-    """Plans once and returns (run, out)."""
+def ours(problem: Problem, causal: bool, paged: bool, backend: str, scales: dict | None = None):
+    """Plans once and returns (run, out). The problem's dtypes are the plan's, the output is bf16 (an fp8
+    problem runs with `scales`: q_scale, k_scale, v_scale)."""
     import attnforge
 
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    out = torch.empty_like(problem.q)
+    out = torch.empty(problem.q.shape, dtype=DTYPE, device=problem.q.device)
     h = problem.heads
+    types = dict(q_data_type=problem.q.dtype, kv_data_type=problem.k.dtype, o_data_type=DTYPE)
+    scales = scales or {}
     if paged:
         wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend=backend)
         wrapper.plan(problem.qo_indptr, problem.page_indptr, problem.page_ids, problem.last_page_len, h.qo, h.kv,
-                     h.dim, PAGE_SIZE, causal=causal, q_data_type=DTYPE)
-        return (lambda: wrapper.run(problem.q, problem.cache, out=out)), out
+                     h.dim, PAGE_SIZE, causal=causal, **types)
+        return (lambda: wrapper.run(problem.q, problem.cache, out=out, **scales)), out
     wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=backend)
-    wrapper.plan(problem.qo_indptr, problem.qo_indptr, h.qo, h.kv, h.dim, causal=causal, q_data_type=DTYPE)
-    return (lambda: wrapper.run(problem.q, problem.k, problem.v, out=out)), out
+    wrapper.plan(problem.qo_indptr, problem.qo_indptr, h.qo, h.kv, h.dim, causal=causal, **types)
+    return (lambda: wrapper.run(problem.q, problem.k, problem.v, out=out, **scales)), out
 
 
 def sdpa(problem: Problem, batch: int, causal: bool, backend):
@@ -179,11 +182,16 @@ def verify() -> None:
                                          f"reference: max |error| = {err}")
 
 
+def flop_count(batch: int, length: int, h: Heads, causal: bool) -> float:
+    """4 * B * L^2 * Hq * D (two matmuls), halved for causal."""
+    return 4 * batch * length * length * h.qo * h.dim / (2 if causal else 1)
+
+
 def measure(batch: int, length: int, h: Heads, causal: bool, args) -> Row:
     from torch.nn.attention import SDPBackend
 
     problem = make_problem(batch, length, h)
-    flops = 4 * batch * length * length * h.qo * h.dim / (2 if causal else 1)
+    flops = flop_count(batch, length, h, causal)
     tflops = lambda us: flops / (us * 1e6)  # noqa: E731
     times, outs = {}, {}
     for backend in BACKENDS:

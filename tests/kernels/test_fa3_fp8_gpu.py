@@ -47,8 +47,9 @@ def pages_of(kv_lens: list[int], page_size: int, gen) -> tuple:
 
 
 def paged_copy(dense: torch.Tensor, kv_lens: list[int], pages: list[int], ids: torch.Tensor, page_size: int):
-    """A ragged [total_kv, H, D] tensor laid out in the pages `ids` of a [pool, page_size, H, D] cache."""
-    paged = torch.zeros(len(ids) + 2, page_size, *dense.shape[1:], dtype=dense.dtype, device=DEVICE)
+    """A ragged [total_kv, H, D] tensor laid out in the pages `ids` of a [pool, page_size, H, D] cache
+    whose other rows (unused pages, last pages' tails) hold NaN: no output may see them."""
+    paged = torch.full((len(ids) + 2, page_size, *dense.shape[1:]), math.nan, dtype=dense.dtype, device=DEVICE)
     start, page = 0, 0
     for n, p in zip(kv_lens, pages):
         for j in range(p):
@@ -62,42 +63,57 @@ def indptr_of(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, paged: bool, causal: bool, gen):
+def run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, page_size: int | None, causal: bool, gen):
+    """fa3 fp8 prefill, ragged (page_size None) or paged, into a NaN-poisoned output."""
     workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
     head_dim = q.shape[-1]
     types = dict(q_data_type=E4M3, kv_data_type=E4M3, o_data_type=torch.bfloat16, causal=causal)
-    if paged:
-        page_size = 16
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=DEVICE)
+    if page_size is not None:
         pages, ids, page_indptr, last = pages_of(kv_lens, page_size, gen)
         cache = tuple(paged_copy(x, kv_lens, pages, ids, page_size) for x in (k, v))
         wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend="fa3")
         wrapper.plan(indptr_of(qo_lens), page_indptr, ids, last, *heads, head_dim, page_size, **types)
-        return wrapper.run(q, cache, return_lse=True, **scales)
+        return wrapper.run(q, cache, out=out, return_lse=True, **scales)
     wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend="fa3")
     wrapper.plan(indptr_of(qo_lens), indptr_of(kv_lens), *heads, head_dim, **types)
-    return wrapper.run(q, k, v, return_lse=True, **scales)
+    return wrapper.run(q, k, v, out=out, return_lse=True, **scales)
 
 
-@pytest.mark.parametrize("paged", [True, False], ids=["paged", "ragged"])
-@pytest.mark.parametrize("kv_len", [300, 4096, 16384])
+# Ragged and page 16 box every tile by TMA but the last; page 200 mixes boxed tiles with tiles
+# that cross a page (gathered); pages of 1 and 5 rows gather every tile.
+LAYOUTS = {"ragged": None, "page16": 16, "page200": 200}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("kv_len", [300, 4096, 16384, 32768])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_fa3_fp8_matches_dequantized_reference(head_dim, kv_len, paged, capsys):
-    """Causal batch (a decode row, a short and a long prefill; GQA 4) at growing context lengths:
+def test_fa3_fp8_matches_dequantized_reference(head_dim, kv_len, layout, capsys):
+    """Causal batch (a decode row, a short and a long prefill; GQA 4) at context lengths up to 32k:
     error statistics printed for the issue and bounded."""
+    check_against_reference(head_dim, kv_len, LAYOUTS[layout], capsys)
+
+
+@pytest.mark.parametrize("page_size", [1, 5])
+def test_fa3_fp8_gathered_pages_match_dequantized_reference(page_size, capsys):
+    check_against_reference(128, 300, page_size, capsys)
+
+
+def check_against_reference(head_dim: int, kv_len: int, page_size: int | None, capsys) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(kv_len + head_dim)
     qo_lens, kv_lens, heads = [1, 77, 700], [kv_len] * 3, (8, 2)
     scales = dict(q_scale=0.5, k_scale=2.0, v_scale=0.75)
     q = quantized((sum(qo_lens), heads[0], head_dim), scales["q_scale"], gen)
     k = quantized((sum(kv_lens), heads[1], head_dim), scales["k_scale"], gen)
     v = quantized((sum(kv_lens), heads[1], head_dim), scales["v_scale"], gen)
-    out, lse = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, paged, causal=True, gen=gen)
+    out, lse = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, page_size, causal=True, gen=gen)
     o_ref, lse_ref = reference.batch_prefill_ragged(
         q.float() * scales["q_scale"], k.float() * scales["k_scale"], v.float() * scales["v_scale"],
         indptr_of(qo_lens), indptr_of(kv_lens), causal=True, o_dtype=torch.float32)
     assert out.dtype is torch.bfloat16 and not out.isnan().any()
     rel_l2, max_abs = error_stats(out, o_ref)
     with capsys.disabled():
-        print(f"\n[fa3 fp8 prefill] hd={head_dim} kv_len={kv_len} paged={paged}: o relative L2 {rel_l2:.3e}, "
+        print(f"\n[fa3 fp8 prefill] hd={head_dim} kv_len={kv_len} page_size={page_size}: o relative L2 {rel_l2:.3e}, "
               f"max abs {max_abs:.3e}, lse max abs {(lse - lse_ref).abs().max().item():.3e}")
     assert rel_l2 <= REL_L2_TOL
     assert max_abs <= MAX_ABS_TOL * (v.float() * scales["v_scale"]).abs().max().item()
@@ -123,6 +139,6 @@ def test_tensor_core_decode_on_fa3_fp8_equals_prefill(group):
                 kv_data_type=E4M3, o_data_type=torch.bfloat16)
     o_decode, lse_decode = decode.run(q, cache, return_lse=True, **scales)
     o_prefill, lse_prefill = run_fa3_fp8(q, k, v, [1] * batch, kv_lens, (kv_heads * group, kv_heads), scales,
-                                         paged=True, causal=False, gen=torch.Generator(device=DEVICE).manual_seed(9))
+                                         page_size, causal=False, gen=torch.Generator(device=DEVICE).manual_seed(9))
     torch.testing.assert_close(o_decode.float(), o_prefill.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse_decode, lse_prefill, atol=1e-3, rtol=1e-4)

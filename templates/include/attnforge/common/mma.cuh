@@ -18,12 +18,18 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Four 8x8 matrices; lane l gives the row address of matrix l / 8, row l % 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+__device__ __forceinline__ void store_shared_u32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
+}
+
+// Four 8x8 matrices; lane l gives the row address (shared window) of matrix l / 8, row l % 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row)));
+               : "r"(row));
 }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) { ldmatrix_x4(r, smem_addr(row)); }
 
 // As ldmatrix_x4, each matrix transposed: a row-major [k][n] tile becomes B fragments.
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {

@@ -124,15 +124,15 @@ struct Fp8Vec16 {
   template <typename T16>
   __device__ __forceinline__ static void widen(const uint4& raw, uint4 (&out)[2]) {
     static_assert(std::is_same_v<T16, half> || std::is_same_v<T16, __nv_bfloat16>, "widen: to half or bf16");
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(&raw);
+    half2 halves[8];
+    to_half2(raw, halves);
     uint32_t* pairs = reinterpret_cast<uint32_t*>(out);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const half2 h = fp8_pair_to_half2<kFormat>(words[i / 2], i % 2);
       if constexpr (std::is_same_v<T16, half>) {
-        pairs[i] = *reinterpret_cast<const uint32_t*>(&h);
+        pairs[i] = *reinterpret_cast<const uint32_t*>(&halves[i]);
       } else {
-        const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(h));
+        const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(halves[i]));
         pairs[i] = *reinterpret_cast<const uint32_t*>(&b);
       }
     }

@@ -1,11 +1,14 @@
 // Role: FA3 batch prefill for Hopper (sm_90a): a producer warpgroup fills a 2-3 stage shared-memory
-//   ring with K/V tiles (ragged: TMA; paged: a cp.async gather), two consumer warpgroups run wgmma
-//   (QK^T SS, PV RS) and the online softmax in registers.
-//   FP8 (e4m3 q, k, v; 16-bit o): every tile is gathered (no TMA), and the producer writes V
-//   transposed (kv contiguous), since the fp8 wgmma reads only K-major shared operands; its kv
-//   order is the one P's registers come in (see p_key_of_slot). P is 2^8 times the softmax
-//   weights to use e4m3's range; the ratio o / d cancels it and lse takes it back. Scales: the
-//   host folds q_scale * k_scale into sm_scale and multiplies o by v_scale.
+//   ring with K/V tiles (TMA where a tile lies inside the request and its pages allow, else a
+//   cp.async gather), two consumer warpgroups run wgmma (QK^T SS, PV RS) and the online softmax in
+//   registers.
+//   FP8 (e4m3 q, k, v; 16-bit o): the fp8 wgmma reads only K-major shared operands, so V is stored
+//   transposed (kv contiguous): boxed V tiles land by TMA as rows in a staging buffer (two, so the
+//   next tile's rows land during this tile's transpose) and the producer transposes them into the
+//   stage with ldmatrix and byte permutes; gathered V tiles are transposed on their way from global
+//   memory. The kv order within each 32 keys is the one P's registers come in (p_key_of_slot). P
+//   is 2^8 times the softmax weights to use e4m3's range; the ratio o / d cancels it and lse takes
+//   it back. Scales: the host folds q_scale * k_scale into sm_scale and multiplies o by v_scale.
 //
 // Contract (/work/prefill-contract.md), the same plan image and params as fa2/prefill.cuh:
 //   grid = (work_capacity, num_kv_heads); block = 384 threads (warpgroup 0 produces, 1 and 2
@@ -15,12 +18,12 @@
 //   Q: the producer copies the tile once (cp.async; packed GQA rows are no TMA box) and arrives
 //   on q_full. K/V: for each kBlockN-token tile the producer waits for the stage's `empty`
 //   mbarrier, then fills the stage and the `full` mbarrier counts the bytes, so consumers wait for
-//   the data itself, not for the producer. Tiles that lie inside [begin, end) come by TMA (one
-//   thread, 64-dim boxes): ragged ones whole, paged ones a page at a time when the page size is a
-//   multiple of 8 rows and the tile is whole pages (or lies in one page). The rest, always
-//   including the tile holding `end`, are gathered with 16-byte cp.async by the whole warpgroup
-//   (zero-filled past `end`, so P.V never meets rows past the request, which may hold anything;
-//   paged rows through a per-tile table of page offsets).
+//   the data itself, not for the producer. Tiles that lie inside [begin, end) come by TMA from
+//   the lanes of warp 0 (64-dim boxes): ragged ones whole, paged ones a page per lane when the
+//   page size is a multiple of 8 rows and the tile is whole pages (or lies in one page). The
+//   rest, always including the tile holding `end`, are gathered with 16-byte cp.async by the
+//   whole warpgroup (zero-filled past `end`, so P.V never meets rows past the request, which may
+//   hold anything; paged rows through the stage-independent table of (page, row in page)).
 //   Scores live in the base-2 domain: max and sum use s * sm_scale_log2, folded into the exp2
 //   FFMA (soft cap: s = soft_cap_log2 * tanh(s * sm_scale_log2), then a unit scale).
 //   Causal / window: [begin, end) is narrowed to the keys some row sees, so tiles past the
@@ -113,14 +116,19 @@ struct PrefillTraits {
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x the 64 rows of one wgmma
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
   // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
-  // tile's kv rows must fill a 128-byte line, and (256, 256) then fits three stages (224 KB).
+  // tile's kv rows must fill a 128-byte line, and (256, 256) then fits two stages and the staging.
   static constexpr int kBlockN = kFp8 || kHeadDimQK + kHeadDimVO <= 320 ? 128 : 64;
   // A third K/V stage where it fits (hd <= 128, paged too: its page table is one 1 KB slot); the
   // fixed bytes are the Q tile, the page table, the slack for aligning the base and the barriers.
   static constexpr int kQBytes = kBlockM * kHeadDimQK * kElementBytes;
   static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * kElementBytes;
   static constexpr int kTableBytes = kPagedKV ? kBlockN * 8 : 0;
-  static constexpr int kStages = kQBytes + 3 * kStageBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
+  // FP8 V tiles come by TMA as rows into one of two staging buffers, which the producer transposes
+  // into the stage (transpose_v_tile) while the next tile's rows land in the other.
+  static constexpr int kVStaging = kFp8 ? 2 : 0;
+  static constexpr int kStagingBytes = kVStaging * kBlockN * kHeadDimVO * kElementBytes;
+  static constexpr int kStages =
+      kQBytes + 3 * kStageBytes + kStagingBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
@@ -149,6 +157,9 @@ struct PrefillTraits {
       cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimQK>, cute::Int<kStages>>{}));
   using SmemLayoutVt = decltype(cute::tile_to_shape(
       VtAtom{}, cute::Shape<cute::Int<kHeadDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{}, VtOrder{}));
+  using SmemLayoutVRows = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimVO>, cute::Int<kFp8 ? kVStaging : 1>>{}));
   static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDimQK * kElementBytes;
   static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimVO * kElementBytes;
   // P as the PV wgmma's A operand: the 16-bit ((2, 2, 2), 1, N/16) of 16-key blocks, or the fp8
@@ -174,16 +185,18 @@ struct PrefillTraits {
     alignas(1024) Element q[kBlockM * kHeadDimQK];  // swizzle atoms are 1024 bytes
     alignas(1024) Element k[kStages * kBlockN * kHeadDimQK];
     alignas(1024) Element v[kStages * kBlockN * kHeadDimVO];
+    alignas(1024) Element v_rows[kVStaging * kBlockN * kHeadDimVO];  // fp8: V as it lies in memory
     // paged, gathered tiles: each row's page and slot in it (page -1 past end); ragged needs none.
     // One slot serves every gathered tile: it is only read while the tile's copies are issued, and
     // the producer warpgroup's barrier that ends them precedes the next fill.
     PageRow page_rows[kPagedKV ? kBlockN : 0];
     uint64_t q_full;
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    uint64_t v_rows_full[kVStaging];
   };
   // The dynamic window is only 16-byte aligned: room to round the base up to 1024.
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "fa3 prefill smem: Q + 2 stages of K and V exceed 227 KB");
+  static_assert(kSmemBytes <= 227 * 1024, "fa3 prefill smem: Q + 2 stages of K and V (+ fp8 staging) exceed 227 KB");
   // The fp8 V transpose moves 4 x 4-byte blocks, and the kv reorder works on 32-key groups.
   static_assert(!kFp8 || (kBlockN % 32 == 0 && kHeadDimVO % 4 == 0), "fa3 fp8: V transposes in 4 x 4 blocks");
 };
@@ -274,24 +287,29 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
   }
 }
 
-// Paged KV: thread `row` looks its token's page up once per tile for both K and V; a bad page id
-// reads page 0 and raises `bad_page`.
+// A paged token's (page, row in page). A page id outside [0, num_pages) reads page 0 instead and
+// raises `bad_page`: the CTA's rows then come out NaN (see store_rows).
+__device__ __forceinline__ PageRow resolve_page(const int32_t* page_ids, const common::FastDivmod& page_size,
+                                                int num_pages, int token, bool& bad_page) {
+  PageRow row;
+  int page_index;
+  page_size.divmod(token, page_index, row.in_page);
+  const int id = __ldg(page_ids + page_index);
+  const bool ok = static_cast<unsigned>(id) < static_cast<unsigned>(num_pages);
+  bad_page |= !ok;
+  row.page = ok ? id : 0;
+  return row;
+}
+
+// Paged KV, gathered tile: thread `row` looks its token's page up once for both K and V; rows
+// past `end` get page -1 (zero-filled).
 template <typename T>
 __device__ __forceinline__ void fill_page_table(PageRow* table, const typename T::Params& p, const int32_t* page_ids,
                                                 const common::FastDivmod& page_size, int first, int end, int tid,
                                                 bool& bad_page) {
   if (tid >= T::kBlockN) return;
   const int token = first + tid;
-  PageRow row{-1, 0};
-  if (token < end) {
-    int page_index;
-    page_size.divmod(token, page_index, row.in_page);
-    const int page = __ldg(page_ids + page_index);
-    const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
-    bad_page |= !ok;
-    row.page = ok ? page : 0;
-  }
-  table[tid] = row;
+  table[tid] = token < end ? resolve_page(page_ids, page_size, p.num_pages, token, bad_page) : PageRow{-1, 0};
 }
 
 // One K or V tile: kBlockN rows of kCells 16-byte cells, row offsets from `row_offset(row)` (-1:
@@ -321,57 +339,136 @@ __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename 
 // Whether the tile at `first` comes by TMA (the same answer in every producer thread).
 template <typename T>
 __device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const WorkTile& w, int first) {
-  if constexpr (T::kFp8) return false;  // see encode_kv_maps
   if (args.box_rows == 0 || first + T::kBlockN > w.end) return false;
   if constexpr (!T::kPagedKV) return true;
   const int page_size = args.p.page_size;
   return page_size <= T::kBlockN ? first % page_size == 0 : first % page_size + T::kBlockN <= page_size;
 }
 
-// Warp 0 boxes each 64-dim column block of K, then of V, into the stage: lane b the rows of box b
-// (a page, or the whole ragged tile), so the page ids are read in parallel; lane 0 arms the `full`
-// barriers with the tile's bytes first. A bad page id reads page 0 and raises `bad_page`, as in
-// the gather.
+// A boxed tile as warp 0 loads it: lane b takes the rows of box b (a page, or the whole ragged
+// tile), so the page ids are read in parallel.
+struct TileBoxes {
+  PageRow origin;  // this lane's box: (page, first row in it)
+  bool boxing;     // whether this lane has a box
+};
+
 template <typename T>
-__device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem, const KernelArgs<T>& args,
-                                                 const int32_t* page_ids, int kv_token_base, int first, int stage,
-                                                 uint32_t free_phase, int kv_head, bool& bad_page) {
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using Element = typename T::Element;
-  const auto evict_last = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);  // every q tile rereads K/V
+__device__ __forceinline__ TileBoxes tile_boxes(const KernelArgs<T>& args, const int32_t* page_ids,
+                                                const common::FastDivmod& page_size, int kv_token_base, int first,
+                                                bool& bad_page) {
   const int lane = threadIdx.x % 32;
   const int boxes = T::kPagedKV ? T::kBlockN / args.box_rows : 1;
-  const bool boxing = lane < boxes;
-  int in_page = kv_token_base + first, page = 0;
-  if (T::kPagedKV && boxing) {
-    const int token = first + lane * args.box_rows;
-    const int id = __ldg(page_ids + token / args.p.page_size);
-    const bool ok = static_cast<unsigned>(id) < static_cast<unsigned>(args.p.num_pages);
-    bad_page |= !ok;
-    in_page = token % args.p.page_size;
-    page = ok ? id : 0;
+  TileBoxes t{PageRow{0, kv_token_base + first}, lane < boxes};  // ragged: one page of every row
+  if (T::kPagedKV && t.boxing) {
+    t.origin = resolve_page(page_ids, page_size, args.p.num_pages, first + lane * args.box_rows, bad_page);
   }
-  auto load = [&](const CUtensorMap& map, uint8_t* tile, uint64_t* empty, uint64_t* full, uint32_t bytes, auto dims,
-                  auto smem_offset) {
-    Barrier::wait(empty, free_phase);
-    if (lane == 0) Barrier::arrive_and_expect_tx(full, bytes);
-    __syncwarp();
-    if (!boxing) return;
-#pragma unroll
-    for (int col = 0; col < dims; col += host::kTmaBoxDim) {
-      cute::SM90_TMA_LOAD_4D::copy(&map, full, evict_last, tile + smem_offset(lane * args.box_rows, col), col, in_page,
-                                   kv_head, page);
-    }
-  };
-  load(args.k_pages, reinterpret_cast<uint8_t*>(smem.k), &smem.k_empty[stage], &smem.k_full[stage], T::kTmaBytesK,
-       cute::Int<T::kHeadDimQK>{},
-       [&](int row, int col) { return swizzled_offset<typename T::SmemLayoutK, Element>(row, col, stage); });
-  load(args.v_pages, reinterpret_cast<uint8_t*>(smem.v), &smem.v_empty[stage], &smem.v_full[stage], T::kTmaBytesV,
-       cute::Int<T::kHeadDimVO>{},
-       [&](int row, int col) { return swizzled_offset<typename T::SmemLayoutVt, Element>(col, row, stage); });
+  return t;
 }
 
-// FP8 V tile, transposed: Vt(d, slot) = V(p_key_of_slot(slot), d), K-major for the PV wgmma.
+// Warp 0 boxes every 128-byte column block of one tile of `map` into `tile`, element (row, col) at
+// smem_offset(row, col); lane 0 arms `full` with the tile's bytes first.
+template <typename T, int kDims, typename SmemOffset>
+__device__ __forceinline__ void box_tile(const CUtensorMap& map, const TileBoxes& boxes, int box_rows, int kv_head,
+                                         uint8_t* tile, uint64_t* full, uint32_t bytes, SmemOffset smem_offset) {
+  const auto evict_last = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);  // every q tile rereads K/V
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, bytes);
+  __syncwarp();
+  if (!boxes.boxing) return;
+#pragma unroll
+  for (int col = 0; col < kDims; col += T::kLineElements) {
+    cute::SM90_TMA_LOAD_4D::copy(&map, full, evict_last, tile + smem_offset(lane * box_rows, col), col,
+                                 boxes.origin.in_page, kv_head, boxes.origin.page);
+  }
+}
+
+// Warp 0: the K tile into its stage, and the 16-bit V tile (fp8 V goes through box_v_rows).
+template <typename T>
+__device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem, const KernelArgs<T>& args,
+                                                 const TileBoxes& boxes, int stage, uint32_t free_phase, int kv_head) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using Element = typename T::Element;
+  Barrier::wait(&smem.k_empty[stage], free_phase);
+  box_tile<T, T::kHeadDimQK>(args.k_pages, boxes, args.box_rows, kv_head, reinterpret_cast<uint8_t*>(smem.k),
+                             &smem.k_full[stage], T::kTmaBytesK, [&](int row, int col) {
+                               return swizzled_offset<typename T::SmemLayoutK, Element>(row, col, stage);
+                             });
+  if constexpr (!T::kFp8) {
+    Barrier::wait(&smem.v_empty[stage], free_phase);
+    box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, args.box_rows, kv_head, reinterpret_cast<uint8_t*>(smem.v),
+                               &smem.v_full[stage], T::kTmaBytesV, [&](int row, int col) {
+                                 return swizzled_offset<typename T::SmemLayoutVt, Element>(col, row, stage);
+                               });
+  }
+}
+
+// Warp 0, fp8: a V tile's rows, as they lie in memory, into staging buffer `buffer`.
+template <typename T>
+__device__ __forceinline__ void box_v_rows(typename T::SharedStorage& smem, const KernelArgs<T>& args,
+                                           const TileBoxes& boxes, int buffer, int kv_head) {
+  box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, args.box_rows, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
+                             &smem.v_rows_full[buffer], T::kTmaBytesV, [&](int row, int col) {
+                               return swizzled_offset<typename T::SmemLayoutVRows, typename T::Element>(row, col, buffer);
+                             });
+}
+
+// Bytes (key i, dim c) of four keys' words -> word c holds dim c of keys 0..3, in key order.
+__device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&key_words)[4], uint32_t (&dim_words)[4]) {
+  const uint32_t lo01 = __byte_perm(key_words[0], key_words[1], 0x5140);  // k0d0 k1d0 k0d1 k1d1
+  const uint32_t lo23 = __byte_perm(key_words[2], key_words[3], 0x5140);
+  const uint32_t hi01 = __byte_perm(key_words[0], key_words[1], 0x7362);  // k0d2 k1d2 k0d3 k1d3
+  const uint32_t hi23 = __byte_perm(key_words[2], key_words[3], 0x7362);
+  dim_words[0] = __byte_perm(lo01, lo23, 0x5410);
+  dim_words[1] = __byte_perm(lo01, lo23, 0x7632);
+  dim_words[2] = __byte_perm(hi01, hi23, 0x5410);
+  dim_words[3] = __byte_perm(hi01, hi23, 0x7632);
+}
+
+// FP8 V tile from its staged rows: Vt(d, slot) = V(p_key_of_slot(slot), d). A slot word (4 slots)
+// holds keys x, x + 1, x + 8, x + 9 (x = 16 (w / 4) + 2 (w % 4) for word w of a 32-key group).
+// Warp g moves key group g, one ldmatrix.x4 per 16-byte dim chunk: matrix m's row j is key
+// x_j + {0, 1, 8, 9}[m], except that rows 4-7 take m's partner (m ^ 1), so each matrix's 8 rows sit
+// in distinct swizzle chunks. Lane t then holds dims 4 (t % 4) .. + 3 of the 4 keys of word t / 4,
+// transposes them with byte permutes (whose selectors also undo the partner swap) and stores one
+// word per dim; lanes with t % 4 >= 2 store their dims in an order shifted by 2, which puts each
+// store's 32 words in distinct banks. Addresses: moving a chunk moves the source's swizzled
+// 16-byte column (an XOR within the 128-byte row, then a 128-dim block) and the destination by 16
+// rows (whose swizzle is the same: it depends on the row mod 8).
+template <typename T>
+__device__ __forceinline__ void transpose_v_tile(typename T::SharedStorage& smem, int buffer, int stage, int tid) {
+  using Element = typename T::Element;
+  constexpr int kChunks = T::kHeadDimVO / 16, kLineChunks = 8, kBlockBytes = T::kBlockN * 128;
+  static_assert(T::kBlockN == 32 * (T::kProducerThreads / 32), "fa3 fp8 V transpose: warp g moves key group g");
+  const int lane = tid % 32, group = tid / 32;
+  const int row = lane % 8, partner = (lane / 8) ^ (row / 4);
+  const int row_key = 32 * group + 16 * (row / 4) + 2 * (row % 4) + (partner & 1) + 8 * (partner >> 1);
+  const int word = lane / 4, dim0 = 4 * (lane % 4);
+  const bool partnered = word >= 4, shifted = lane % 4 >= 2;
+  const uint32_t pair_lo = partnered ? 0x1504 : 0x5140, pair_hi = partnered ? 0x3726 : 0x7362;
+  const uint32_t first_pairs = shifted ? pair_hi : pair_lo, second_pairs = shifted ? pair_lo : pair_hi;
+  const uint32_t src = common::smem_addr(smem.v_rows) +
+                       swizzled_offset<typename T::SmemLayoutVRows, Element>(row_key, 0, buffer);
+  uint32_t dst[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    dst[i] = common::smem_addr(smem.v) + swizzled_offset<typename T::SmemLayoutVt, Element>(
+                                             dim0 + (shifted ? (i + 2) % 4 : i), 32 * group + 4 * word, stage);
+  }
+#pragma unroll
+  for (int chunk = 0; chunk < kChunks; ++chunk) {
+    uint32_t keys[4];
+    common::ldmatrix_x4(keys, (src ^ (chunk % kLineChunks * 16)) + chunk / kLineChunks * kBlockBytes);
+    const uint32_t first01 = __byte_perm(keys[0], keys[1], first_pairs), first23 = __byte_perm(keys[2], keys[3], first_pairs);
+    const uint32_t second01 = __byte_perm(keys[0], keys[1], second_pairs);
+    const uint32_t second23 = __byte_perm(keys[2], keys[3], second_pairs);
+    const uint32_t words[4] = {__byte_perm(first01, first23, 0x5410), __byte_perm(first01, first23, 0x7632),
+                               __byte_perm(second01, second23, 0x5410), __byte_perm(second01, second23, 0x7632)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) common::store_shared_u32(dst[i] + chunk * 16 * T::kBlockN, words[i]);
+  }
+}
+
+// FP8 V tile gathered and transposed: Vt(d, slot) = V(p_key_of_slot(slot), d), K-major for the PV wgmma.
 // A thread reads 4 bytes (4 dims) of each of the 4 keys of 4 consecutive slots and writes them
 // as 4 words of 4 slots, one per dim (a 4 x 4 byte transpose in registers). Consecutive threads
 // take consecutive dims, so a warp reads 128 contiguous bytes of each key. Keys past the range
@@ -381,6 +478,7 @@ __device__ __forceinline__ void load_v_tile_transposed(uint8_t* smem_base, const
                                                        RowOffset row_offset, int stage) {
   constexpr int kDimGroups = T::kHeadDimVO / 4, kBlocks = kDimGroups * T::kBlockN / 4;
   static_assert(kBlocks % T::kProducerThreads == 0, "fa3 fp8 V transpose: every producer thread moves alike");
+  const uint32_t vt = common::smem_addr(smem_base);
   // Not unrolled: the producer has 40 registers.
 #pragma unroll 1
   for (int b = tid; b < kBlocks; b += T::kProducerThreads) {
@@ -391,17 +489,12 @@ __device__ __forceinline__ void load_v_tile_transposed(uint8_t* smem_base, const
       const int64_t off = row_offset(p_key_of_slot(slot + i));
       key_words[i] = off >= 0 ? __ldg(reinterpret_cast<const uint32_t*>(head_base + off + dim)) : 0u;
     }
-    // Bytes (key i, dim c) -> word c, byte i.
-    const uint32_t lo01 = __byte_perm(key_words[0], key_words[1], 0x5140);  // k0d0 k1d0 k0d1 k1d1
-    const uint32_t lo23 = __byte_perm(key_words[2], key_words[3], 0x5140);
-    const uint32_t hi01 = __byte_perm(key_words[0], key_words[1], 0x7362);  // k0d2 k1d2 k0d3 k1d3
-    const uint32_t hi23 = __byte_perm(key_words[2], key_words[3], 0x7362);
-    const uint32_t dim_words[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                                   __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+    uint32_t dim_words[4];
+    transpose_4x4_bytes(key_words, dim_words);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      *reinterpret_cast<uint32_t*>(
-          smem_base + swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(dim + c, slot, stage)) = dim_words[c];
+      common::store_shared_u32(
+          vt + swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(dim + c, slot, stage), dim_words[c]);
     }
   }
 }
@@ -445,13 +538,40 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
   auto* k_smem = reinterpret_cast<uint8_t*>(smem.k);
   auto* v_smem = reinterpret_cast<uint8_t*>(smem.v);
 
+  // fp8: V tiles staged so far (the next one's buffer and its phase), and whether the current
+  // tile's rows were requested one iteration early.
+  int staged = 0;
+  bool v_rows_requested = false;
   for (int n = 0; n < num_tiles; ++n) {
     const int stage = n % T::kStages;
     const uint32_t free_phase = ((n / T::kStages) & 1) ^ 1;  // a fresh barrier counts as released
     const int first = w.begin + n * T::kBlockN;
     if (tile_is_boxed<T>(args, w, first)) {
-      if (tid / 32 == 0) {
-        load_kv_tile_tma<T>(smem, args, page_ids, kv_token_base, first, stage, free_phase, kv_head, bad_page);
+      if constexpr (T::kFp8) {
+        // Warp 0 requests K and this tile's V rows (unless already in flight) and the next tile's V
+        // rows into the other buffer (free: its last tile was transposed before the last barrier),
+        // so their latency hides behind this tile's transpose.
+        const bool next_boxed = n + 1 < num_tiles && tile_is_boxed<T>(args, w, first + T::kBlockN);
+        if (tid / 32 == 0) {
+          const TileBoxes boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page);
+          load_kv_tile_tma<T>(smem, args, boxes, stage, free_phase, kv_head);
+          if (!v_rows_requested) box_v_rows<T>(smem, args, boxes, staged % 2, kv_head);
+          if (next_boxed) {
+            box_v_rows<T>(smem, args,
+                          tile_boxes<T>(args, page_ids, page_size, kv_token_base, first + T::kBlockN, bad_page),
+                          (staged + 1) % 2, kv_head);
+          }
+          __syncwarp();
+        }
+        v_rows_requested = next_boxed;
+        cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[staged % 2], (staged / 2) & 1);
+        Barrier::wait(&smem.v_empty[stage], free_phase);
+        transpose_v_tile<T>(smem, staged % 2, stage, tid);
+        arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
+        ++staged;
+      } else if (tid / 32 == 0) {
+        load_kv_tile_tma<T>(smem, args, tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page),
+                            stage, free_phase, kv_head);
         __syncwarp();
       }
       continue;
@@ -846,6 +966,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
       Barrier::init(&smem.k_empty[s], T::kConsumerThreads);
       Barrier::init(&smem.v_empty[s], T::kConsumerThreads);
     }
+#pragma unroll
+    for (int b = 0; b < T::kVStaging; ++b) Barrier::init(&smem.v_rows_full[b], 1);  // warp 0 lane 0's
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -878,18 +1000,18 @@ cudaError_t encode_kv_maps(KernelArgs<T>& args) {
   const auto& p = args.p;
   const int64_t page_size = T::kPagedKV ? p.page_size : p.num_pages;
   const bool boxable = page_size >= T::kBlockN || (page_size % 8 == 0 && T::kBlockN % page_size == 0);
-  // FP8 tiles are all gathered: the maps are of 16-bit elements and V needs its transpose anyway.
-  args.box_rows = !T::kFp8 && p.num_pages > 0 && (boxable || !T::kPagedKV) ? int(std::min<int64_t>(page_size, T::kBlockN)) : 0;
+  args.box_rows = p.num_pages > 0 && (boxable || !T::kPagedKV) ? int(std::min<int64_t>(page_size, T::kBlockN)) : 0;
   if (args.box_rows == 0) return cudaSuccess;
   const int64_t pages = T::kPagedKV ? p.num_pages : 1;
   const int64_t k_page_stride = T::kPagedKV ? p.kv_stride_page : p.kv_stride_token * page_size;
   const int64_t v_page_stride = T::kPagedKV ? p.v_stride_page : p.v_stride_token * page_size;
+  constexpr int kBytes = T::kElementBytes;
   const cudaError_t err =
-      host::encode_pages_map(&args.k_pages, p.k, T::kHeadDimQK, page_size, p.num_kv_heads, pages, p.kv_stride_token,
-                             p.kv_stride_head, k_page_stride, args.box_rows);
+      host::encode_pages_map<kBytes>(&args.k_pages, p.k, T::kHeadDimQK, page_size, p.num_kv_heads, pages,
+                                     p.kv_stride_token, p.kv_stride_head, k_page_stride, args.box_rows);
   if (err != cudaSuccess) return err;
-  return host::encode_pages_map(&args.v_pages, p.v, T::kHeadDimVO, page_size, p.num_kv_heads, pages, p.v_stride_token,
-                                p.v_stride_head, v_page_stride, args.box_rows);
+  return host::encode_pages_map<kBytes>(&args.v_pages, p.v, T::kHeadDimVO, page_size, p.num_kv_heads, pages,
+                                        p.v_stride_token, p.v_stride_head, v_page_stride, args.box_rows);
 }
 
 template <typename T>

@@ -1,0 +1,331 @@
+"""FP8 benchmark: attnforge FA3 e4m3 prefill vs our FA3 bf16 and torch SDPA cuDNN bf16, and fp8-KV vs
+bf16-KV decode on the FA2 (CUDA-core) and FA3 (tensor-core) paths, same run.
+
+    python -m attnforge.benchmarks.fp8 [--shapes 4x4096] [--head-dims 128 256] [--no-decode] [--out F.json]
+
+Prefill shape (the acceptance config): 32 query / 8 kv heads (head dim 256: 16 / 4), every request L
+query tokens over the same L kv tokens, causal and non-causal. fp8: e4m3 q, k, v, each randn divided
+by its scale (SCALES) and rounded, bf16 output; paged (page size 16, pages scattered) and ragged.
+bf16 and cuDNN get the same contents: the fp8 values times their scale, exact in bf16. TFLOP/s counts
+4 * B * L^2 * Hq * D, halved for causal, for every dtype. Decode: batch 64 x kv 4096, 8 kv heads,
+hd 128, page 16, GQA groups 1, 4, 8; bf16 KV vs e4m3 KV (the same values) on CUDA cores, and on
+sm90 the fa3 tensor-core path with bf16 q/KV vs e4m3 q/KV (the fp8 wgmma takes both operands fp8).
+
+Method: CUDA events around each call, median after warm-up, no L2 flush. Before timing, every fp8
+output is poisoned with NaN, computed once and compared with the bf16 output of the same contents;
+a NaN or a relative L2 error above 5e-2 stops the run (exit 1) instead of timing a wrong kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from attnforge.codegen.rules import FA3_FP8_PREFILL_HEAD_DIMS
+
+from . import decode, prefill
+from ._timing import copy_bandwidth_gbps, time_cuda_us
+from .decode import _fmt
+
+E4M3 = torch.float8_e4m3fn
+DTYPE = prefill.DTYPE
+# head dims with both an fa3 fp8 kernel and acceptance heads
+HEAD_DIMS = sorted(qk for qk, vo in FA3_FP8_PREFILL_HEAD_DIMS if qk == vo and qk in prefill.HEADS_BY_HEAD_DIM)
+# fp8 output vs the bf16 output of the same contents: e4m3 P keeps 3 mantissa bits, so a few percent
+MAX_REL_L2 = 5e-2
+
+
+@dataclass(frozen=True)
+class Scales:
+    """Per-tensor dequantization scales: the fp8 tensor stands for its value times the scale."""
+
+    q: float
+    k: float
+    v: float
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(q_scale=self.q, k_scale=self.k, v_scale=self.v)
+
+
+# q and k fold into the softmax scale for free (their product is not 1, so a dropped scale fails the
+# check); v is 1 because any other v_scale costs a separate out *= v_scale pass over o in the runtime,
+# which is not the kernel under test.
+SCALES = Scales(q=0.5, k=0.75, v=1.0)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="attnforge bench fp8", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", type=prefill.batch_by_length, default=[(4, 4096)],
+                   help="BATCHxLEN (default: 4x4096)")
+    p.add_argument("--head-dims", nargs="+", type=int, choices=HEAD_DIMS, default=HEAD_DIMS,
+                   help="head dims (default: 128 256); 256 runs with 16 query / 4 kv heads")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per kernel (median reported)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA cuDNN peer")
+    p.add_argument("--no-decode", action="store_true", help="skip the fp8-KV vs bf16-KV decode table")
+    p.add_argument("--out", help="also write the results as JSON to this file")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------
+# fp8 contents and the bf16 tensors that hold the same values
+
+
+def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return (x.float() / scale).to(E4M3)
+
+
+def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact: an e4m3 value (4 significant bits) times a scale of at most 2 significant bits fits bf16."""
+    return (x.float() * scale).to(DTYPE)
+
+
+def converted(problem: prefill.Problem, fn, scales: Scales = SCALES) -> prefill.Problem:
+    """fn(tensor, scale) on q, k, v and the paged cache; elementwise, so the pages still hold k and v."""
+    k_cache, v_cache = problem.cache
+    return replace(problem, q=fn(problem.q, scales.q), k=fn(problem.k, scales.k), v=fn(problem.v, scales.v),
+                   cache=(fn(k_cache, scales.k), fn(v_cache, scales.v)))
+
+
+def error_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative L2, max abs) of out against ref; NaN when either holds a NaN."""
+    diff = out.float() - ref.float()
+    return (diff.norm() / ref.float().norm().clamp_min(1e-30)).item(), diff.abs().max().item()
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> tuple[float, float]:
+    """error_stats of an fp8 output vs the bf16 one; AssertionError when it is not fit to be timed."""
+    rel_l2, max_abs = error_stats(out, ref)
+    if not rel_l2 <= MAX_REL_L2:  # also catches NaN
+        raise AssertionError(f"{what}: fp8 output vs bf16 relative L2 {rel_l2:.3g} (limit {MAX_REL_L2:g}), "
+                             f"max abs {max_abs:.3g}")
+    return rel_l2, max_abs
+
+
+def checked_once(runs: dict, ref_key: str, what: str) -> tuple[float, float]:
+    """Poisons every output, runs each call once, checks every other output against runs[ref_key]'s;
+    returns the worst (relative L2, max abs)."""
+    for _, out in runs.values():
+        out.fill_(math.nan)
+    for run, _ in runs.values():
+        run()
+    ref = runs[ref_key][1]
+    stats = [check(out, ref, f"{what}, {key}") for key, (_, out) in runs.items() if key != ref_key]
+    return max(s[0] for s in stats), max(s[1] for s in stats)
+
+
+# ---------------------------------------------------------------------------------------
+# prefill
+
+
+@dataclass
+class PrefillRow:
+    batch: int
+    length: int
+    head_dim: int
+    causal: bool
+    fp8_paged_tflops: float
+    fp8_ragged_tflops: float
+    bf16_ragged_tflops: float
+    cudnn_tflops: float | None
+    rel_l2: float  # fp8 vs bf16 output, the worse of paged and ragged
+    max_abs: float
+    notes: str = ""
+
+    @property
+    def fp8_vs_bf16(self) -> float:
+        return self.fp8_ragged_tflops / self.bf16_ragged_tflops
+
+    @property
+    def fp8_vs_cudnn(self) -> float | None:
+        return self.fp8_ragged_tflops / self.cudnn_tflops if self.cudnn_tflops else None
+
+
+def cudnn_peer(problem: prefill.Problem, batch: int, causal: bool, ours_out: torch.Tensor, args, notes: list):
+    """SDPA pinned to cuDNN on the bf16 problem: microseconds, or None (the reason goes to notes)."""
+    from torch.nn.attention import SDPBackend
+
+    if args.no_peers:
+        return None
+    try:
+        run, out = prefill.sdpa(problem, batch, causal, SDPBackend.CUDNN_ATTENTION)
+    except Exception as exc:  # a refusing backend is reported, not fatal
+        notes.append(f"cudnn n/a: {str(exc).splitlines()[0][:120]}")
+        return None
+    rel_l2, _ = error_stats(out, ours_out)
+    if not rel_l2 <= 1e-2:  # same contents, same precision: otherwise not like for like
+        notes.append(f"cudnn output differs from our bf16 by relative L2 {rel_l2:.3g}")
+    return time_cuda_us(run, args.iters, args.warmup)
+
+
+def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, args) -> PrefillRow:
+    fp8 = converted(prefill.make_problem(batch, length, h), quantize)
+    bf16 = converted(fp8, dequantize)
+    runs = {
+        "fp8 paged": prefill.ours(fp8, causal, True, "fa3", SCALES.kwargs),
+        "fp8 ragged": prefill.ours(fp8, causal, False, "fa3", SCALES.kwargs),
+        "bf16 ragged": prefill.ours(bf16, causal, False, "fa3"),
+    }
+    rel_l2, max_abs = checked_once(runs, "bf16 ragged", f"fa3 prefill {batch}x{length} hd {h.dim} causal={causal}")
+    flops = prefill.flop_count(batch, length, h, causal)
+    tflops = {key: flops / (time_cuda_us(run, args.iters, args.warmup) * 1e6) for key, (run, _) in runs.items()}
+    notes = []
+    cudnn_us = cudnn_peer(bf16, batch, causal, runs["bf16 ragged"][1], args, notes)
+    del fp8, bf16, runs
+    torch.cuda.empty_cache()
+    return PrefillRow(batch, length, h.dim, causal, tflops["fp8 paged"], tflops["fp8 ragged"], tflops["bf16 ragged"],
+                      flops / (cudnn_us * 1e6) if cudnn_us else None, rel_l2, max_abs, "; ".join(notes))
+
+
+def prefill_rows(args) -> list[PrefillRow]:
+    """Every head dim x shape, non-causal then causal; none off sm90, where fa3 does not run."""
+    if "fa3" not in prefill.BACKENDS:
+        print("attnforge bench fp8: fa3 fp8 prefill needs sm90; skipping the prefill table", file=sys.stderr)
+        return []
+    return [measure_prefill(b, n, prefill.Heads.for_head_dim(dim), causal, args)
+            for dim in args.head_dims for b, n in args.shapes for causal in (False, True)]
+
+
+# ---------------------------------------------------------------------------------------
+# decode
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    name: str
+    tensor_cores: bool
+    backend: str
+    fp8_q: bool  # the fp8 variant quantizes q too
+
+
+DECODE_PATHS = (DecodePath("CUDA cores (fa2)", False, "auto", fp8_q=False),) + (
+    (DecodePath("tensor cores (fa3), e4m3 q", True, "fa3", fp8_q=True),) if "fa3" in prefill.BACKENDS else ())
+
+
+@dataclass
+class DecodeRow:
+    path: str
+    group: int
+    bf16_us: float
+    fp8_us: float
+    bf16_pct_copy_bw: float
+    fp8_pct_copy_bw: float
+    rel_l2: float  # fp8 vs bf16 output
+    max_abs: float
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_us / self.fp8_us
+
+
+def decode_call(path: DecodePath, table: decode.Problem, q: torch.Tensor, cache: tuple):
+    """Plans once and returns (run, out)."""
+    import attnforge
+
+    _, page_size, kv_heads, head_dim = cache[0].shape
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(prefill.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), use_tensor_cores=path.tensor_cores,
+        backend=path.backend)
+    wrapper.plan(table.indptr, table.indices, table.last_page_len, q.shape[1], kv_heads, head_dim, page_size,
+                 q_data_type=q.dtype, kv_data_type=cache[0].dtype, o_data_type=DTYPE)
+    out = torch.empty(q.shape, dtype=DTYPE, device=q.device)
+    return (lambda: wrapper.run(q, cache, out=out)), out
+
+
+def bytes_moved(table: decode.Problem, q: torch.Tensor, cache: tuple) -> int:
+    """What a decode must move once: q + K + V + o (bf16), K and V at the cache's element size."""
+    return q.nbytes + q.numel() * DTYPE.itemsize + 2 * table.dense_k.numel() * cache[0].element_size()
+
+
+def measure_decode(path: DecodePath, table: decode.Problem, cache16: tuple, group: int, args,
+                   copy_gbps: float) -> DecodeRow:
+    kv_heads, head_dim = cache16[0].shape[2:]
+    gen = torch.Generator(device="cuda").manual_seed(group)
+    q8 = torch.randn(prefill.DECODE_BATCH, kv_heads * group, head_dim, device="cuda", generator=gen).to(E4M3)
+    q16 = q8.to(DTYPE)  # the same values for both variants
+    variants = {"bf16": (q16, cache16), "fp8": (q8 if path.fp8_q else q16, table.cache)}
+    runs = {key: decode_call(path, table, q, cache) for key, (q, cache) in variants.items()}
+    rel_l2, max_abs = checked_once(runs, "bf16", f"{path.name} decode, group {group}")
+    us = {key: time_cuda_us(run, args.iters, args.warmup) for key, (run, _) in runs.items()}
+    pct = {key: 100.0 * bytes_moved(table, *variants[key]) / (us[key] * 1e3) / copy_gbps for key in runs}
+    return DecodeRow(path.name, group, us["bf16"], us["fp8"], pct["bf16"], pct["fp8"], rel_l2, max_abs)
+
+
+def decode_rows(args, copy_gbps: float) -> list[DecodeRow]:
+    """fp8-KV vs bf16-KV decode at batch 64 x kv 4096 for GQA groups 1, 4, 8, on every path."""
+    # e4m3 pages (and dense bf16 copies of the same values, counted for the bytes moved)
+    table = decode.make_problem(prefill.DECODE_BATCH, prefill.DECODE_KV_LEN, "NHD", E4M3)
+    cache16 = tuple(c.to(DTYPE) for c in table.cache)  # exact
+    return [measure_decode(path, table, cache16, group, args, copy_gbps)
+            for path in DECODE_PATHS for group in prefill.DECODE_GROUPS]
+
+
+# ---------------------------------------------------------------------------------------
+# report
+
+
+def prefill_table(rows: list[PrefillRow]) -> list[str]:
+    lines = [f"Prefill, fa3 e4m3 q/k/v (scales q {SCALES.q:g}, k {SCALES.k:g}, v {SCALES.v:g}) -> bf16 o:", "",
+             "| batch x len | head dim (q/kv heads) | causal | fp8 paged TFLOP/s | fp8 ragged TFLOP/s | "
+             "bf16 ragged TFLOP/s | SDPA cuDNN bf16 TFLOP/s | fp8 / bf16 (ragged) | fp8 ragged / cuDNN | "
+             "rel L2 vs bf16 | max abs vs bf16 | notes |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        h = prefill.Heads.for_head_dim(r.head_dim)
+        lines.append(f"| {r.batch} x {r.length} | {r.head_dim} ({h.qo}/{h.kv}) | {'yes' if r.causal else 'no'} | "
+                     f"{r.fp8_paged_tflops:.1f} | {r.fp8_ragged_tflops:.1f} | {r.bf16_ragged_tflops:.1f} | "
+                     f"{_fmt(r.cudnn_tflops)} | {r.fp8_vs_bf16:.2f} | {_fmt(r.fp8_vs_cudnn, '.2f')} | "
+                     f"{r.rel_l2:.2e} | {r.max_abs:.2e} | {r.notes} |")
+    return lines
+
+
+def decode_table(rows: list[DecodeRow], copy_gbps: float) -> list[str]:
+    lines = [f"Decode, batch {prefill.DECODE_BATCH} x kv {prefill.DECODE_KV_LEN}, {decode.NUM_KV_HEADS} kv heads, "
+             f"hd {decode.HEAD_DIM}, page {decode.PAGE_SIZE}, e4m3 vs bf16 KV (copy bandwidth {copy_gbps:.0f} GB/s):",
+             "", "| path | group | bf16 KV (µs) | % copy BW | fp8 KV (µs) | % copy BW | fp8 speed-up | "
+             "rel L2 vs bf16 | max abs vs bf16 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r.path} | {r.group} | {r.bf16_us:.1f} | {r.bf16_pct_copy_bw:.1f} | {r.fp8_us:.1f} | "
+                     f"{r.fp8_pct_copy_bw:.1f} | {r.speedup:.2f} | {r.rel_l2:.2e} | {r.max_abs:.2e} |")
+    return lines
+
+
+def markdown(rows: list[PrefillRow], decode_results: list[DecodeRow], copy_gbps: float) -> str:
+    tables = []
+    if rows:
+        tables.append(prefill_table(rows))
+    if decode_results:
+        tables.append(decode_table(decode_results, copy_gbps))
+    return "\n\n".join("\n".join(lines) for lines in tables)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        print("attnforge bench fp8: needs a CUDA device", file=sys.stderr)
+        return 2
+    try:
+        rows = prefill_rows(args)
+        copy_gbps = copy_bandwidth_gbps()
+        decode_results = [] if args.no_decode else decode_rows(args, copy_gbps)
+    except AssertionError as exc:
+        print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
+        return 1
+    print(markdown(rows, decode_results, copy_gbps))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_gbps=copy_gbps,
+                           scales=asdict(SCALES), rows=[asdict(r) for r in rows],
+                           decode=[asdict(r) for r in decode_results]), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
