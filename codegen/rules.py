@@ -18,7 +18,7 @@ FA2_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)}
 # (192, 128) waits for a producer copy pattern that 24 cells per row divide; fa2 serves it.
 FA3_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
 DECODE_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
-# fp8 (e4m3) fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 would need a 64-byte swizzle.
+# fp8 fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 would need a 64-byte swizzle.
 FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(128, 128), (256, 256)})
 
 
@@ -168,12 +168,6 @@ RULES: tuple[Rule, ...] = (
         "the decode kernel reduces q.k in fp32 on CUDA cores; fp16_qk_reduction has no meaning there",
         "turn fp16_qk_reduction off for decode",
         lambda s: s.kind is Kind.DECODE and s.fp16_qk_reduction,
-    ),
-    Rule(
-        "fa3-fp8-e4m3-only",
-        "fa3 fp8 kernels are built for e4m3 q and kv; q is {s.dtype_q.short}, kv {s.dtype_kv.short}",
-        "quantize q and kv to e4m3, or use backend fa2 with a 16-bit query (it dequantizes e5m2 KV)",
-        lambda s: _fa3(s) and (s.dtype_q is DType.E5M2 or s.dtype_kv is DType.E5M2),
     ),
     Rule(
         "fa3-fp8-head-dims",

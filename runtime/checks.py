@@ -121,6 +121,21 @@ def scale(value, name: str) -> float | None:
     return float(value)
 
 
+def head_scale(value, name: str, heads: int, device: torch.device) -> tuple[torch.Tensor | None, float | None]:
+    """An fa3 fp8 scale: a float (per tensor), or a float32 tensor of one value per head ([heads])
+    or one for all ([1]) on the tensors' device. Returns (tensor, None) or (None, float)."""
+    if not isinstance(value, torch.Tensor):
+        return None, scale(value, name)
+    if value.dtype != torch.float32 or value.dim() != 1 or value.numel() not in (1, heads):
+        raise ValueError(f"{name}: expected a float32 tensor of shape [{heads}] (per head) or [1], got "
+                         f"{value.dtype} of shape {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {value.device}")
+    if value.stride(0) != 1 and value.numel() > 1:
+        raise ValueError(f"{name}: expected a contiguous tensor, got stride {value.stride(0)}")
+    return value, None
+
+
 def indptr(x, name: str, *, entries: int | None = None, end: int | None = None) -> list[int]:
     """A 1-D integer index pointer as a host list: starts at 0, never decreases, has `entries`
     entries and ends at `end` when those are given. Reading it waits for the GPU if x is there."""

@@ -90,6 +90,26 @@ class _Plan:
     keep_alive: tuple  # device tensors the kernel reads (page ids, packed mask)
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def positional_scales(args: tuple, dtype_q: torch.dtype, q_scale, k_scale, v_scale) -> tuple:
+    """FlashInfer's fa3 fp8 form run(q, kv..., q_scale, k_scale, v_scale): with an fp8 query the
+    three extra positional arguments are the scales (then not also given as keywords)."""
+    if not args:
+        return q_scale, k_scale, v_scale
+    if not is_fp8(dtype_q):
+        raise TypeError("run(): positional scales are only accepted with an fp8 query; pass q_scale/k_scale/"
+                        "v_scale as keywords")
+    if len(args) != 3:
+        raise TypeError(f"run(): with an fp8 query the extra positional arguments are (q_scale, k_scale, v_scale), "
+                        f"got {len(args)}")
+    if any(x is not None for x in (q_scale, k_scale, v_scale)):
+        raise TypeError("run(): scales given both positionally and as keywords")
+    return args
+
+
 class _BatchPrefillWrapper:
     """plan()/run() machinery shared by the paged and ragged wrappers."""
 
@@ -264,9 +284,7 @@ class _BatchPrefillWrapper:
     def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_strides: tuple, v_strides: tuple,
                 num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool) -> object:
         plan = self._plan
-        if args:
-            raise TypeError("run(): positional scales are only accepted with an fp8 query; pass q_scale/k_scale/"
-                            "v_scale as keywords")
+        q_scale, k_scale, v_scale = positional_scales(args, plan.dtype_q, q_scale, k_scale, v_scale)
         checks.tensor(q, "q")
         checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
         checks.device(q, "q", self._device)
@@ -277,10 +295,8 @@ class _BatchPrefillWrapper:
                      "[qo_indptr[-1], num_qo_heads, head_dim_vo]")
         if return_lse:
             lse = lse_output(lse, (plan.total_q, plan.num_qo_heads), self._device, "[qo_indptr[-1], num_qo_heads]")
-        q_scale = checks.scale(q_scale, "q_scale")
-        k_scale = checks.scale(k_scale, "k_scale")
-        v_scale = checks.scale(v_scale, "v_scale")
         params = plan.params
+        q_scale, k_scale, v_scale = self._scales(q_scale, k_scale, v_scale)
         params.sm_scale_log2, params.soft_cap_log2 = score_scales(plan.sm_scale * (q_scale or 1.0) * (k_scale or 1.0),
                                                                   plan.soft_cap)
         params.q, params.k, params.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -298,6 +314,22 @@ class _BatchPrefillWrapper:
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
+
+    def _scales(self, q_scale, k_scale, v_scale) -> tuple[float | None, float | None, float | None]:
+        """The float scales; tensor (per-head) ones, which only the fa3 fp8 kernels take, go into the
+        params for the kernel to read (a float q/k scale folds into sm_scale, a float v_scale
+        multiplies o afterwards)."""
+        plan, params = self._plan, self._plan.params
+        if not is_fp8(plan.dtype_q):
+            return checks.scale(q_scale, "q_scale"), checks.scale(k_scale, "k_scale"), checks.scale(v_scale, "v_scale")
+        floats = []
+        for name, value, heads in (("q_scale", q_scale, plan.num_qo_heads), ("k_scale", k_scale, plan.num_kv_heads),
+                                   ("v_scale", v_scale, plan.num_kv_heads)):
+            tensor, number = checks.head_scale(value, name, heads, self._device)
+            setattr(params, name, None if tensor is None else tensor.data_ptr())
+            setattr(params, f"{name}_stride", 0 if tensor is None or tensor.numel() == 1 else 1)
+            floats.append(number)
+        return tuple(floats)
 
     def _require_plan(self) -> _Plan:
         if self._plan is None:

@@ -35,7 +35,6 @@ EXAMPLES = {
     "decode-no-custom-mask": dict(use_custom_mask=True),
     "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
     "decode-no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
-    "fa3-fp8-e4m3-only": dict(FA3, dtype_q=DType.E5M2, dtype_kv=DType.E5M2),
     "fa3-fp8-head-dims": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64),
     "prefill-no-fp16-qk-reduction": dict(kind=Kind.PREFILL, dtype_q=DType.FP16, dtype_kv=DType.FP16,
                                          fp16_qk_reduction=True),

@@ -1,4 +1,4 @@
-"""FA3 fp8 (e4m3 q, k, v; bf16 o) prefill on the GPU against attnforge.reference fed the dequantized
+"""FA3 fp8 (e4m3 or e5m2 q, k, v; bf16 o) prefill on the GPU against attnforge.reference fed the dequantized
 inputs (fp8 value * scale, fp32): what is left is the e4m3 rounding of P, the fp8 wgmma's
 reduced-precision accumulation and the bf16 output.
 
@@ -20,15 +20,31 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 WORKSPACE = 256 << 20
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 # P in e4m3 keeps 3 mantissa bits (relative rounding up to 2^-4, random in sign), so o's relative
 # L2 error is a few percent of that at most; max abs is bounded in units of max |v|.
 REL_L2_TOL = 3e-2
 MAX_ABS_TOL = 0.1
 
 
-def quantized(shape, scale: float, gen) -> torch.Tensor:
-    """fp32 randn divided by `scale` and rounded to e4m3: the tensor stands for fp8 value * scale."""
-    return (torch.randn(shape, device=DEVICE, generator=gen) / scale).to(E4M3)
+FLOAT_SCALES = dict(q_scale=0.5, k_scale=2.0, v_scale=0.75)
+
+
+def per_head_scales() -> dict:
+    """float32 tensors of one scale per head, for 8 query and 2 kv heads."""
+    return dict(q_scale=torch.linspace(0.25, 2.0, 8, device=DEVICE), k_scale=torch.tensor([0.5, 1.5], device=DEVICE),
+                v_scale=torch.tensor([2.0, 0.75], device=DEVICE))
+
+
+def broadcast(scale):
+    """A float scale as is; a per-head tensor [H] as [1, H, 1], to scale [tokens, H, dim] tensors."""
+    return scale.view(1, -1, 1) if isinstance(scale, torch.Tensor) else scale
+
+
+def quantized(shape, scale, gen, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """fp32 randn divided by `scale` (a float, or one per head) and rounded to fp8: the tensor
+    stands for fp8 value * scale."""
+    return (torch.randn(shape, device=DEVICE, generator=gen) / broadcast(scale)).to(dtype)
 
 
 def error_stats(out: torch.Tensor, o_ref: torch.Tensor) -> tuple[float, float]:
@@ -63,21 +79,25 @@ def indptr_of(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, page_size: int | None, causal: bool, gen):
-    """fa3 fp8 prefill, ragged (page_size None) or paged, into a NaN-poisoned output."""
+def run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, page_size: int | None, causal: bool, gen,
+                positional: bool = False):
+    """fa3 fp8 prefill, ragged (page_size None) or paged, into a NaN-poisoned output; the scales as
+    keywords, or positionally (FlashInfer's fa3 form run(q, kv..., q_scale, k_scale, v_scale))."""
+    args = (scales["q_scale"], scales["k_scale"], scales["v_scale"]) if positional else ()
+    kwargs = {} if positional else scales
     workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
     head_dim = q.shape[-1]
-    types = dict(q_data_type=E4M3, kv_data_type=E4M3, o_data_type=torch.bfloat16, causal=causal)
+    types = dict(q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=torch.bfloat16, causal=causal)
     out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=DEVICE)
     if page_size is not None:
         pages, ids, page_indptr, last = pages_of(kv_lens, page_size, gen)
         cache = tuple(paged_copy(x, kv_lens, pages, ids, page_size) for x in (k, v))
         wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend="fa3")
         wrapper.plan(indptr_of(qo_lens), page_indptr, ids, last, *heads, head_dim, page_size, **types)
-        return wrapper.run(q, cache, out=out, return_lse=True, **scales)
+        return wrapper.run(q, cache, *args, out=out, return_lse=True, **kwargs)
     wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend="fa3")
     wrapper.plan(indptr_of(qo_lens), indptr_of(kv_lens), *heads, head_dim, **types)
-    return wrapper.run(q, k, v, out=out, return_lse=True, **scales)
+    return wrapper.run(q, k, v, *args, out=out, return_lse=True, **kwargs)
 
 
 # Ragged and page 16 box every tile by TMA but the last; page 200 mixes boxed tiles with tiles
@@ -99,31 +119,60 @@ def test_fa3_fp8_gathered_pages_match_dequantized_reference(page_size, capsys):
     check_against_reference(128, 300, page_size, capsys)
 
 
-def check_against_reference(head_dim: int, kv_len: int, page_size: int | None, capsys) -> None:
+@pytest.mark.parametrize("layout", ["ragged", "page16"])
+def test_fa3_fp8_per_head_scales_match_dequantized_reference(layout, capsys):
+    """Tensor scales, one per head: each head quantized with its own, the kernel reading them."""
+    check_against_reference(128, 4096, LAYOUTS[layout], capsys, per_head_scales())
+
+
+def test_fa3_fp8_single_value_tensor_scales_equal_float_scales():
+    """[1] tensors passed positionally give what the same floats as keywords give."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    qo_lens, kv_lens, heads = [33, 500], [700, 2000], (8, 2)
+    q, k, v = (quantized((sum(n), h, 128), 1.0, gen) for n, h in ((qo_lens, 8), (kv_lens, 2), (kv_lens, 2)))
+    tensors = {name: torch.tensor([value], device=DEVICE) for name, value in FLOAT_SCALES.items()}
+    o_float, lse_float = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, FLOAT_SCALES, None, causal=True, gen=gen)
+    o_tensor, lse_tensor = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, tensors, None, causal=True, gen=gen,
+                                       positional=True)
+    torch.testing.assert_close(o_tensor.float(), o_float.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse_tensor, lse_float, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "page16"])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fa3_e5m2_matches_dequantized_reference(head_dim, layout, capsys):
+    """e5m2 q, k, v: Q.K^T in e5m2, P (e4m3) times e5m2 V."""
+    check_against_reference(head_dim, 4096, LAYOUTS[layout], capsys, dtype=E5M2)
+
+
+def check_against_reference(head_dim: int, kv_len: int, page_size: int | None, capsys,
+                            scales: dict = FLOAT_SCALES, dtype: torch.dtype = E4M3) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(kv_len + head_dim)
     qo_lens, kv_lens, heads = [1, 77, 700], [kv_len] * 3, (8, 2)
-    scales = dict(q_scale=0.5, k_scale=2.0, v_scale=0.75)
-    q = quantized((sum(qo_lens), heads[0], head_dim), scales["q_scale"], gen)
-    k = quantized((sum(kv_lens), heads[1], head_dim), scales["k_scale"], gen)
-    v = quantized((sum(kv_lens), heads[1], head_dim), scales["v_scale"], gen)
+    q = quantized((sum(qo_lens), heads[0], head_dim), scales["q_scale"], gen, dtype)
+    k = quantized((sum(kv_lens), heads[1], head_dim), scales["k_scale"], gen, dtype)
+    v = quantized((sum(kv_lens), heads[1], head_dim), scales["v_scale"], gen, dtype)
     out, lse = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, page_size, causal=True, gen=gen)
     o_ref, lse_ref = reference.batch_prefill_ragged(
-        q.float() * scales["q_scale"], k.float() * scales["k_scale"], v.float() * scales["v_scale"],
+        *(x.float() * broadcast(scales[name]) for x, name in ((q, "q_scale"), (k, "k_scale"), (v, "v_scale"))),
         indptr_of(qo_lens), indptr_of(kv_lens), causal=True, o_dtype=torch.float32)
     assert out.dtype is torch.bfloat16 and not out.isnan().any()
     rel_l2, max_abs = error_stats(out, o_ref)
     with capsys.disabled():
-        print(f"\n[fa3 fp8 prefill] hd={head_dim} kv_len={kv_len} page_size={page_size}: o relative L2 {rel_l2:.3e}, "
+        kind = "per-head" if isinstance(scales["q_scale"], torch.Tensor) else "float"
+        print(f"\n[fa3 {str(dtype)[-6:]} prefill] hd={head_dim} kv_len={kv_len} page_size={page_size} {kind} scales: o relative L2 {rel_l2:.3e}, "
               f"max abs {max_abs:.3e}, lse max abs {(lse - lse_ref).abs().max().item():.3e}")
     assert rel_l2 <= REL_L2_TOL
-    assert max_abs <= MAX_ABS_TOL * (v.float() * scales["v_scale"]).abs().max().item()
+    assert max_abs <= MAX_ABS_TOL * (v.float() * broadcast(scales["v_scale"])).abs().max().item()
     torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=1e-3)
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["float_scales", "per_head_scales"])
 @pytest.mark.parametrize("group", [1, 8])
-def test_tensor_core_decode_on_fa3_fp8_equals_prefill(group):
+def test_tensor_core_decode_on_fa3_fp8_equals_prefill(group, per_head):
     """Decode through the fa3 fp8 prefill kernels equals paged prefill with one query per request on
-    the same cache: the same kernel, so only the plan differs."""
+    the same cache: the same kernel, so only the plan differs (per-head scales: passed positionally
+    to decode, as keywords to prefill)."""
     gen = torch.Generator(device=DEVICE).manual_seed(group)
     batch, kv_heads, dim, page_size = 17, 2, 128, 16
     kv_lens = torch.randint(1, 5000, (batch,), generator=torch.Generator().manual_seed(group)).tolist()
@@ -133,11 +182,18 @@ def test_tensor_core_decode_on_fa3_fp8_equals_prefill(group):
     cache = tuple(paged_copy(x, kv_lens, pages, ids, page_size) for x in (k, v))
     q = quantized((batch, kv_heads * group, dim), 1.0, gen)
     scales = dict(q_scale=1.0, k_scale=0.5, v_scale=1.5)
+    if per_head:
+        scales = dict(q_scale=torch.linspace(0.5, 1.5, kv_heads * group, device=DEVICE),
+                      k_scale=torch.tensor([0.5, 1.25], device=DEVICE), v_scale=torch.tensor([1.5, 0.5], device=DEVICE))
     workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
     decode = attnforge.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=True, backend="fa3")
     decode.plan(page_indptr, ids, last, kv_heads * group, kv_heads, dim, page_size, q_data_type=E4M3,
                 kv_data_type=E4M3, o_data_type=torch.bfloat16)
-    o_decode, lse_decode = decode.run(q, cache, return_lse=True, **scales)
+    if per_head:
+        o_decode, lse_decode = decode.run(q, cache, scales["q_scale"], scales["k_scale"], scales["v_scale"],
+                                          return_lse=True)
+    else:
+        o_decode, lse_decode = decode.run(q, cache, return_lse=True, **scales)
     o_prefill, lse_prefill = run_fa3_fp8(q, k, v, [1] * batch, kv_lens, (kv_heads * group, kv_heads), scales,
                                          page_size, causal=False, gen=torch.Generator(device=DEVICE).manual_seed(9))
     torch.testing.assert_close(o_decode.float(), o_prefill.float(), atol=1e-2, rtol=1e-2)

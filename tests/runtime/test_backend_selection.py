@@ -72,7 +72,6 @@ def test_auto_falls_back_to_fa2_for_16bit_q_with_fp8_kv_on_hopper(dtype_kv):
     ("fa3-no-pos-encoding", dict(pos_encoding=PosEncoding.ROPE_LLAMA)),
     ("fa3-head-dims", dict(head_dim_qk=96, head_dim_vo=96)),
     ("fa3-needs-sm90a", dict(archs=(Arch.SM80,))),
-    ("fa3-fp8-e4m3-only", dict(dtype_q=DType.E5M2, dtype_kv=DType.E5M2)),
     ("fa3-fp8-head-dims", dict(dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64)),
 ])
 def test_explicit_fa3_is_refused_with_the_rule_and_its_suggestion(rule_id, change):
@@ -89,5 +88,5 @@ def test_explicit_fa3_is_refused_with_the_rule_and_its_suggestion(rule_id, chang
 def test_every_fa3_rule_is_exercised_above():
     covered = {"fa3-fp8-kv-needs-fp8-q", "fa3-no-custom-mask", "fa3-no-pos-encoding", "fa3-head-dims",
                "fa3-needs-sm90a", "fa3-only-sm90a", "fa3-same-dtype-family", "fa3-no-fp16-qk-reduction",
-               "fa3-fp8-e4m3-only", "fa3-fp8-head-dims"}
+               "fa3-fp8-head-dims"}
     assert set(FA3_RULES) <= covered, f"add a selection test for {set(FA3_RULES) - covered}"

@@ -84,6 +84,31 @@ def test_scale_names_argument_and_value(value):
     _raises(ValueError, checks.scale, value, "v_scale", contains=("v_scale", "positive float", repr(value)))
 
 
+def test_head_scale_takes_per_head_or_single_float32_tensors():
+    cpu = torch.device("cpu")
+    per_head = torch.rand(8)
+    assert checks.head_scale(per_head, "q_scale", 8, cpu) == (per_head, None)
+    one = torch.tensor([0.5])
+    assert checks.head_scale(one, "k_scale", 4, cpu) == (one, None)
+    assert checks.head_scale(2.0, "v_scale", 4, cpu) == (None, 2.0)
+    assert checks.head_scale(None, "v_scale", 4, cpu) == (None, None)
+
+
+@pytest.mark.parametrize("bad, given", [(torch.rand(3), "(3,)"), (torch.rand(4, 1), "(4, 1)"),
+                                        (torch.rand(4, dtype=torch.float64), "torch.float64")])
+def test_head_scale_names_expected_shape_and_dtype(bad, given):
+    _raises(ValueError, checks.head_scale, bad, "k_scale", 4, torch.device("cpu"),
+            contains=("k_scale", "float32", "[4]", "[1]", given))
+
+
+def test_head_scale_refuses_other_device_and_strided_tensors():
+    _raises(ValueError, checks.head_scale, torch.rand(4), "q_scale", 4, torch.device("cuda", 0),
+            contains=("q_scale", "cuda:0", "cpu"))
+    _raises(ValueError, checks.head_scale, torch.rand(8)[::2], "q_scale", 4, torch.device("cpu"),
+            contains=("q_scale", "contiguous", "stride 2"))
+    _raises(ValueError, checks.head_scale, -1.0, "v_scale", 4, torch.device("cpu"), contains=("v_scale", "positive"))
+
+
 def test_scale_refuses_tensor_and_accepts_numbers():
     _raises(ValueError, checks.scale, torch.tensor(2.0), "k_scale", contains=("k_scale", "tensor scales", "fa3 fp8", "float"))
     assert checks.scale(None, "q_scale") is None
@@ -260,3 +285,17 @@ def test_run_extras_refuse_sinks_pdl_and_a_new_window():
             contains=("sinks", "the prefill kernels"))
     _raises(ValueError, checks.run_extras, 64, None, 16, None, "the prefill kernels",
             contains=("window_left", "64", "16", "plan again"))
+
+
+def test_positional_scales_only_with_an_fp8_query():
+    from attnforge.prefill import positional_scales
+
+    e4m3 = torch.float8_e4m3fn
+    scales = (torch.ones(1), torch.ones(1), torch.ones(1))
+    assert positional_scales(scales, e4m3, None, None, None) == scales
+    assert positional_scales((), torch.bfloat16, 0.5, None, 2.0) == (0.5, None, 2.0)
+    _raises(TypeError, positional_scales, scales, torch.bfloat16, None, None, None,
+            contains=("positional scales", "fp8 query", "keywords"))
+    _raises(TypeError, positional_scales, scales[:2], e4m3, None, None, None,
+            contains=("(q_scale, k_scale, v_scale)", "got 2"))
+    _raises(TypeError, positional_scales, scales, e4m3, None, 1.0, None, contains=("both positionally and as keywords",))

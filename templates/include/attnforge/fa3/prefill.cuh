@@ -2,13 +2,16 @@
 //   ring with K/V tiles (TMA where a tile lies inside the request and its pages allow, else a
 //   cp.async gather), two consumer warpgroups run wgmma (QK^T SS, PV RS) and the online softmax in
 //   registers.
-//   FP8 (e4m3 q, k, v; 16-bit o): the fp8 wgmma reads only K-major shared operands, so V is stored
-//   transposed (kv contiguous): boxed V tiles land by TMA as rows in a staging buffer (two, so the
-//   next tile's rows land during this tile's transpose) and the producer transposes them into the
-//   stage with ldmatrix and byte permutes; gathered V tiles are transposed on their way from global
-//   memory. The kv order within each 32 keys is the one P's registers come in (p_key_of_slot). P
-//   is 2^8 times the softmax weights to use e4m3's range; the ratio o / d cancels it and lse takes
-//   it back. Scales: the host folds q_scale * k_scale into sm_scale and multiplies o by v_scale.
+//   FP8 (e4m3 or e5m2 q, k, v; 16-bit o): the fp8 wgmma reads only K-major shared operands, so V
+//   is stored transposed (kv contiguous): boxed V tiles land by TMA as rows in staging buffers
+//   (several, so later tiles' rows land during this tile's transpose) and the producer transposes
+//   them into the stage with ldmatrix and byte permutes; gathered V tiles are transposed on their
+//   way from global memory. The kv order within each 32 keys is the one P's registers come in
+//   (p_key_of_slot). P is e4m3 whatever V's format, 2^8 times the softmax weights to use its
+//   range; o / d cancels that and lse takes it back. Scales: float ones as everywhere (q_scale *
+//   k_scale folded into sm_scale, o times v_scale on the host); tensor ones (per head, or [1]) are
+//   read here: q and k scales into each row's score factor, the kv head's v scale into the
+//   output's normalization.
 //
 // Contract (/work/prefill-contract.md), the same plan image and params as fa2/prefill.cuh:
 //   grid = (work_capacity, num_kv_heads); block = 384 threads (warpgroup 0 produces, 1 and 2
@@ -18,12 +21,13 @@
 //   Q: the producer copies the tile once (cp.async; packed GQA rows are no TMA box) and arrives
 //   on q_full. K/V: for each kBlockN-token tile the producer waits for the stage's `empty`
 //   mbarrier, then fills the stage and the `full` mbarrier counts the bytes, so consumers wait for
-//   the data itself, not for the producer. Tiles that lie inside [begin, end) come by TMA from
-//   the lanes of warp 0 (64-dim boxes): ragged ones whole, paged ones a page per lane when the
-//   page size is a multiple of 8 rows and the tile is whole pages (or lies in one page). The
-//   rest, always including the tile holding `end`, are gathered with 16-byte cp.async by the
-//   whole warpgroup (zero-filled past `end`, so P.V never meets rows past the request, which may
-//   hold anything; paged rows through the stage-independent table of (page, row in page)).
+//   the data itself, not for the producer. Tiles that lie inside [begin, end) come by TMA, one
+//   box per 128-byte column block, the boxes spread over the lanes of the four producer warps:
+//   ragged tiles whole, paged ones a page per box when the page size is a multiple of 8 rows and
+//   the tile is whole pages (or lies in one page). The rest, always including the tile holding
+//   `end`, are gathered with 16-byte cp.async by the whole warpgroup (zero-filled past `end`, so
+//   P.V never meets rows past the request, which may hold anything; paged rows through the
+//   stage-independent table of (page, row in page)).
 //   Scores live in the base-2 domain: max and sum use s * sm_scale_log2, folded into the exp2
 //   FFMA (soft cap: s = soft_cap_log2 * tanh(s * sm_scale_log2), then a unit scale).
 //   Causal / window: [begin, end) is narrowed to the keys some row sees, so tiles past the
@@ -73,6 +77,10 @@ template <>
 struct CuteElement<__nv_fp8_e4m3> {
   using type = cutlass::float_e4m3_t;
 };
+template <>
+struct CuteElement<__nv_fp8_e5m2> {
+  using type = cutlass::float_e5m2_t;
+};
 
 // FP8 P.V: the fp8 A fragment holds, per 32 keys, lane t's keys 4t..4t+3 and 16+4t..16+4t+3 of
 // rows r and r + 8, while the fp32 S accumulator holds keys 8j+2t, 8j+2t+1 (j = 0..3). Rather
@@ -112,6 +120,9 @@ struct PrefillTraits {
                 "fa3 prefill head dims: multiples of 64 (16-bit) or 128 (fp8) up to 256 (rule fa3-head-dims)");
 
   using Element = typename CuteElement<DTypeKV>::type;
+  // P as the P.V wgmma's A operand: the 16-bit type, or e4m3 for either fp8 format (its 3 mantissa
+  // bits suit weights in [0, 256]; the wgmma takes e4m3 x e5m2).
+  using ElementP = std::conditional_t<kFp8, cutlass::float_e4m3_t, Element>;
 
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x the 64 rows of one wgmma
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
@@ -123,12 +134,16 @@ struct PrefillTraits {
   static constexpr int kQBytes = kBlockM * kHeadDimQK * kElementBytes;
   static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * kElementBytes;
   static constexpr int kTableBytes = kPagedKV ? kBlockN * 8 : 0;
-  // FP8 V tiles come by TMA as rows into one of two staging buffers, which the producer transposes
-  // into the stage (transpose_v_tile) while the next tile's rows land in the other.
-  static constexpr int kVStaging = kFp8 ? 2 : 0;
+  // FP8 V tiles come by TMA as rows into staging buffers, which the producer transposes into the
+  // stage (transpose_v_tile) while the next tiles' rows land in the others: four where they fit
+  // (hd 128; a decode CTA computes so little per tile that its loads need that much lead), else two.
+  static constexpr int kVRowsBytes = kBlockN * kHeadDimVO * kElementBytes;
+  static constexpr int kVStaging =
+      !kFp8 ? 0 : (kQBytes + 3 * kStageBytes + 4 * kVRowsBytes + kTableBytes + 2048 <= 227 * 1024 ? 4 : 2);
   static constexpr int kStagingBytes = kVStaging * kBlockN * kHeadDimVO * kElementBytes;
   static constexpr int kStages =
       kQBytes + 3 * kStageBytes + kStagingBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
+  static_assert(!kFp8 || kVStaging >= 2, "fa3 fp8: the next tile's V rows need a second staging buffer");
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
@@ -176,7 +191,7 @@ struct PrefillTraits {
                                  cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDimQK>>>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float,
+      cute::GMMA::rs_op_selector<ElementP, Element, float,
                                  cute::Shape<cute::_64, cute::Int<kHeadDimVO>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::K, kMajorV>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
@@ -345,10 +360,14 @@ __device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const W
   return page_size <= T::kBlockN ? first % page_size == 0 : first % page_size + T::kBlockN <= page_size;
 }
 
-// A boxed tile as warp 0 loads it: lane b takes the rows of box b (a page, or the whole ragged
-// tile), so the page ids are read in parallel.
+// A boxed tile as the producer warps load it: lane l of warp w takes the rows of box 4 l + w (a
+// page, or the whole ragged tile). A TMA copy's coordinates live in uniform registers, so a warp
+// issues its lanes' boxes one after another; spread over the four warps, a tile of 16-row pages
+// (8 pages, 32 boxes for hd 128) issues in a quarter of the time, and the page ids are read in
+// parallel.
 struct TileBoxes {
   PageRow origin;  // this lane's box: (page, first row in it)
+  int row;         // the box's first row in the tile
   bool boxing;     // whether this lane has a box
 };
 
@@ -356,57 +375,58 @@ template <typename T>
 __device__ __forceinline__ TileBoxes tile_boxes(const KernelArgs<T>& args, const int32_t* page_ids,
                                                 const common::FastDivmod& page_size, int kv_token_base, int first,
                                                 bool& bad_page) {
-  const int lane = threadIdx.x % 32;
+  constexpr int kWarps = T::kProducerThreads / 32;
+  const int box = threadIdx.x % 32 * kWarps + threadIdx.x / 32;
   const int boxes = T::kPagedKV ? T::kBlockN / args.box_rows : 1;
-  TileBoxes t{PageRow{0, kv_token_base + first}, lane < boxes};  // ragged: one page of every row
-  if (T::kPagedKV && t.boxing) {
-    t.origin = resolve_page(page_ids, page_size, args.p.num_pages, first + lane * args.box_rows, bad_page);
-  }
+  TileBoxes t{PageRow{0, kv_token_base + first}, box * args.box_rows, box < boxes};  // ragged: one page of every row
+  if (T::kPagedKV && t.boxing) t.origin = resolve_page(page_ids, page_size, args.p.num_pages, first + t.row, bad_page);
   return t;
 }
 
-// Warp 0 boxes every 128-byte column block of one tile of `map` into `tile`, element (row, col) at
-// smem_offset(row, col); lane 0 arms `full` with the tile's bytes first.
+// Each producer lane with a box copies its every 128-byte column block of one tile of `map` into
+// `tile`, element (row, col) at smem_offset(row, col). Thread 0 arms `full` with the whole tile's
+// bytes; other warps' copies may land first (the barrier's transaction count may run negative until
+// then, and its phase cannot complete before thread 0's arrival).
 template <typename T, int kDims, typename SmemOffset>
-__device__ __forceinline__ void box_tile(const CUtensorMap& map, const TileBoxes& boxes, int box_rows, int kv_head,
+__device__ __forceinline__ void box_tile(const CUtensorMap& map, const TileBoxes& boxes, int kv_head,
                                          uint8_t* tile, uint64_t* full, uint32_t bytes, SmemOffset smem_offset) {
   const auto evict_last = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);  // every q tile rereads K/V
-  const int lane = threadIdx.x % 32;
-  if (lane == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, bytes);
-  __syncwarp();
+  if (threadIdx.x == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, bytes);
   if (!boxes.boxing) return;
 #pragma unroll
   for (int col = 0; col < kDims; col += T::kLineElements) {
-    cute::SM90_TMA_LOAD_4D::copy(&map, full, evict_last, tile + smem_offset(lane * box_rows, col), col,
-                                 boxes.origin.in_page, kv_head, boxes.origin.page);
+    cute::SM90_TMA_LOAD_4D::copy(&map, full, evict_last, tile + smem_offset(boxes.row, col), col, boxes.origin.in_page,
+                                 kv_head, boxes.origin.page);
   }
 }
 
-// Warp 0: the K tile into its stage, and the 16-bit V tile (fp8 V goes through box_v_rows).
+// Every producer warp: its boxes of the K tile into the stage, and of the 16-bit V tile (fp8 V goes
+// through box_v_rows), each once the stage is free.
 template <typename T>
 __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                                  const TileBoxes& boxes, int stage, uint32_t free_phase, int kv_head) {
   using Barrier = cutlass::arch::ClusterBarrier;
   using Element = typename T::Element;
   Barrier::wait(&smem.k_empty[stage], free_phase);
-  box_tile<T, T::kHeadDimQK>(args.k_pages, boxes, args.box_rows, kv_head, reinterpret_cast<uint8_t*>(smem.k),
+  box_tile<T, T::kHeadDimQK>(args.k_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.k),
                              &smem.k_full[stage], T::kTmaBytesK, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutK, Element>(row, col, stage);
                              });
   if constexpr (!T::kFp8) {
     Barrier::wait(&smem.v_empty[stage], free_phase);
-    box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, args.box_rows, kv_head, reinterpret_cast<uint8_t*>(smem.v),
+    box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v),
                                &smem.v_full[stage], T::kTmaBytesV, [&](int row, int col) {
                                  return swizzled_offset<typename T::SmemLayoutVt, Element>(col, row, stage);
                                });
   }
 }
 
-// Warp 0, fp8: a V tile's rows, as they lie in memory, into staging buffer `buffer`.
+// Every producer warp, fp8: its boxes of a V tile's rows, as they lie in memory, into staging
+// buffer `buffer`.
 template <typename T>
 __device__ __forceinline__ void box_v_rows(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                            const TileBoxes& boxes, int buffer, int kv_head) {
-  box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, args.box_rows, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
+  box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
                              &smem.v_rows_full[buffer], T::kTmaBytesV, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutVRows, typename T::Element>(row, col, buffer);
                              });
@@ -538,47 +558,43 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
   auto* k_smem = reinterpret_cast<uint8_t*>(smem.k);
   auto* v_smem = reinterpret_cast<uint8_t*>(smem.v);
 
-  // fp8: V tiles staged so far (the next one's buffer and its phase), and whether the current
-  // tile's rows were requested one iteration early.
-  int staged = 0;
-  bool v_rows_requested = false;
+  // fp8: V tiles transposed so far (the next one's buffer and phase: staged % kVStaging and
+  // (staged / kVStaging) & 1), and the first tile whose V rows are not yet requested.
+  int staged = 0, unrequested = 0;
   for (int n = 0; n < num_tiles; ++n) {
     const int stage = n % T::kStages;
     const uint32_t free_phase = ((n / T::kStages) & 1) ^ 1;  // a fresh barrier counts as released
     const int first = w.begin + n * T::kBlockN;
     if (tile_is_boxed<T>(args, w, first)) {
       if constexpr (T::kFp8) {
-        // Warp 0 requests K and this tile's V rows (unless already in flight) and the next tile's V
-        // rows into the other buffer (free: its last tile was transposed before the last barrier),
-        // so their latency hides behind this tile's transpose.
-        const bool next_boxed = n + 1 < num_tiles && tile_is_boxed<T>(args, w, first + T::kBlockN);
-        if (tid / 32 == 0) {
-          const TileBoxes boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page);
-          load_kv_tile_tma<T>(smem, args, boxes, stage, free_phase, kv_head);
-          if (!v_rows_requested) box_v_rows<T>(smem, args, boxes, staged % 2, kv_head);
-          if (next_boxed) {
-            box_v_rows<T>(smem, args,
-                          tile_boxes<T>(args, page_ids, page_size, kv_token_base, first + T::kBlockN, bad_page),
-                          (staged + 1) % 2, kv_head);
-          }
-          __syncwarp();
-        }
-        v_rows_requested = next_boxed;
-        cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[staged % 2], (staged / 2) & 1);
-        Barrier::wait(&smem.v_empty[stage], free_phase);
-        transpose_v_tile<T>(smem, staged % 2, stage, tid);
-        arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
-        ++staged;
-      } else if (tid / 32 == 0) {
+        // K, then V rows for this tile and the boxed tiles right after it, as far as the staging
+        // buffers reach (tile n + i takes buffer (staged + i) % kVStaging, whose last tile was
+        // transposed before an earlier barrier), so their latency hides behind the transposes.
         load_kv_tile_tma<T>(smem, args, tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page),
                             stage, free_phase, kv_head);
-        __syncwarp();
+        unrequested = max(unrequested, n);
+        while (unrequested < num_tiles && unrequested - n < T::kVStaging &&
+               tile_is_boxed<T>(args, w, w.begin + unrequested * T::kBlockN)) {
+          const int ahead = unrequested - n;
+          box_v_rows<T>(smem, args,
+                        tile_boxes<T>(args, page_ids, page_size, kv_token_base, first + ahead * T::kBlockN, bad_page),
+                        (staged + ahead) % T::kVStaging, kv_head);
+          ++unrequested;
+        }
+        const int buffer = staged % T::kVStaging;
+        cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (staged / T::kVStaging) & 1);
+        Barrier::wait(&smem.v_empty[stage], free_phase);
+        transpose_v_tile<T>(smem, buffer, stage, tid);
+        arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
+        ++staged;
+      } else {
+        load_kv_tile_tma<T>(smem, args, tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page),
+                            stage, free_phase, kv_head);
       }
       continue;
     }
-    // Warps 1-3 skipped the boxed tiles, so they meet warp 0 here before waiting on a stage
-    // barrier whose phase parity only then means this tile.
-    cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
+    // The page table's one slot may be refilled: the last gathered tile's copies were all issued
+    // before arrive_gathered's barrier.
     if constexpr (T::kPagedKV) {
       fill_page_table<T>(smem.page_rows, p, page_ids, page_size, first, w.end, tid, bad_page);
       cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
@@ -651,8 +667,8 @@ struct KeyMask {
 // P.V wgmma still reading o has finished).
 // `offset` (log2) scales the weights (and so d) by 2^offset; o / d is unchanged.
 template <typename TensorS>
-__device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], float scale, float offset,
-                                               float (&alpha)[2]) {
+__device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], const float (&scale)[2],
+                                               float offset, float (&alpha)[2]) {
   using namespace cute;
   static_assert(decltype(size<0>(s))::value == 2, "fa3: two rows per thread");
 #pragma unroll
@@ -661,7 +677,7 @@ __device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float 
 #pragma unroll
     for (int c = 0; c < size<1>(s); ++c) tile_max = fmaxf(tile_max, s(r, c));
     tile_max = common::lane_group_max<4>(tile_max);
-    const float m_new = fmaxf(m[r], tile_max * scale);
+    const float m_new = fmaxf(m[r], tile_max * scale[r]);
     // -inf: nothing visible yet; measure from 0 so 2^(s - m) stays 0 rather than NaN.
     const float m_safe = m_new == common::kNegInf ? 0.f : m_new;
     alpha[r] = common::fast_exp2(m[r] - m_safe);
@@ -671,7 +687,7 @@ __device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float 
     const float neg_m = offset != 0.f ? offset - m_safe : -m_safe;
 #pragma unroll
     for (int c = 0; c < size<1>(s); ++c) {
-      s(r, c) = common::fast_exp2(fmaf(s(r, c), scale, neg_m));
+      s(r, c) = common::fast_exp2(fmaf(s(r, c), scale[r], neg_m));
       d[r] += s(r, c);
     }
   }
@@ -723,7 +739,13 @@ __device__ __forceinline__ void scheduler_pass(int wg) {
   cutlass::arch::NamedBarrier::arrive(256, kBarrierScheduler + (1 - wg));
 }
 
-// Normalize and store the thread's rows: o/lse directly, or the fp32 partial slot of the chunk.
+// fp8 per-head scales (float32; stride 0: one value for every head); none given reads as 1.
+__device__ __forceinline__ float head_scale(const void* scales, int stride, int head) {
+  return scales == nullptr ? 1.f : __ldg(static_cast<const float*>(scales) + head * stride);
+}
+
+// Normalize (fp8: times the kv head's v scale) and store the thread's rows: o/lse directly, or the
+// fp32 partial slot of the chunk.
 template <typename T, typename TensorO, typename TensorC>
 __device__ __forceinline__ void store_rows(const typename T::Params& p, const int32_t* plan, const WorkTile& w,
                                            const common::FastDivmod& group, int kv_head, bool bad_page,
@@ -732,6 +754,7 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const in
   using DTypeO = typename T::DTypeO;
   const int lane = threadIdx.x % 32;
   const int num_chunks = w.slot >= 0 ? plan[p.off_num_chunks + w.request] : 0;
+  const float v_scale = T::kFp8 ? head_scale(p.v_scale, p.v_scale_stride, kv_head) : 1.f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = get<0>(coord(r, 0));
@@ -739,7 +762,7 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const in
     int token, head_in_group;
     group.divmod(w.row_begin + row, token, head_in_group);
     const int qo_head = kv_head * p.group_size + head_in_group;
-    const float inv_d = bad_page ? NAN : (d[r] > 0.f ? 1.f / d[r] : 0.f);
+    const float inv_d = bad_page ? NAN : (d[r] > 0.f ? v_scale / d[r] : 0.f);
     const float lse = bad_page ? NAN : (d[r] > 0.f ? m[r] + log2f(d[r]) - T::kPExponentOffset : common::kNegInf);
     if (w.slot < 0) {
       DTypeO* o_row = static_cast<DTypeO*>(p.o) + int64_t(w.qo_begin + token) * p.o_stride_n + int64_t(qo_head) * p.o_stride_h;
@@ -760,16 +783,21 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const in
   }
 }
 
-// Scale (soft cap) and mask one tile of raw scores; returns the scale the softmax still applies.
+// Scale (soft cap) and mask one tile of raw scores; `scale` gets the per-row factor the softmax
+// still applies (the rows' score_scale, or 1 once the soft cap has applied it).
 template <typename T, typename TensorS, typename TensorC>
-__device__ __forceinline__ float transform_scores(const typename T::Params& p, const KeyMask<T>& mask, bool masked,
-                                                  int first, const int (&q_pos)[2], TensorS& s, TensorC& coord) {
+__device__ __forceinline__ void transform_scores(const typename T::Params& p, const KeyMask<T>& mask, bool masked,
+                                                 int first, const int (&q_pos)[2], const float (&score_scale)[2],
+                                                 TensorS& s, TensorC& coord, float (&scale)[2]) {
   using namespace cute;
-  float scale = p.sm_scale_log2;
-  if constexpr (T::kSoftCap) {
 #pragma unroll
-    for (int i = 0; i < size(s); ++i) s(i) = p.soft_cap_log2 * common::fast_tanh(s(i) * p.sm_scale_log2);
-    scale = 1.f;
+  for (int r = 0; r < 2; ++r) {
+    scale[r] = score_scale[r];
+    if constexpr (T::kSoftCap) {
+#pragma unroll
+      for (int c = 0; c < size<1>(s); ++c) s(r, c) = p.soft_cap_log2 * common::fast_tanh(s(r, c) * score_scale[r]);
+      scale[r] = 1.f;
+    }
   }
   if (masked) {
 #pragma unroll
@@ -780,7 +808,6 @@ __device__ __forceinline__ float transform_scores(const typename T::Params& p, c
       }
     }
   }
-  return scale;
 }
 
 // The consumer loop of `consume` with nothing but its barrier and pingpong traffic, in the same
@@ -840,9 +867,20 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   float m[2] = {common::kNegInf, common::kNegInf};
   float d[2] = {0.f, 0.f};
   clear(tOrO);
+  // Per row: its query position and the factor q.k is scaled by (fp8: times the per-head scales).
   int q_pos[2];
+  float score_scale[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) q_pos[r] = group.div(w.row_begin + get<0>(s_coord(r, 0))) + w.pos_shift;
+  for (int r = 0; r < 2; ++r) {
+    int token, head_in_group;
+    group.divmod(w.row_begin + get<0>(s_coord(r, 0)), token, head_in_group);
+    q_pos[r] = token + w.pos_shift;
+    score_scale[r] = p.sm_scale_log2;
+    if constexpr (T::kFp8) {
+      score_scale[r] *= head_scale(p.q_scale, p.q_scale_stride, kv_head * p.group_size + head_in_group) *
+                        head_scale(p.k_scale, p.k_scale_stride, kv_head);
+    }
+  }
   KeyMask<T> mask{w.end, w.pos_shift, p.window_left, w.first_token + w.pos_shift, w.last_token + w.pos_shift,
                   p.causal != 0};
 
@@ -873,7 +911,8 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   auto softmax_tile = [&](auto& s_acc, int n, float (&alpha)[2]) {
     const int first = w.begin + n * T::kBlockN;
     Tensor s = make_tensor(s_acc.data(), rowcol(s_acc.layout()));
-    const float scale = transform_scores<T>(p, mask, mask.tile_needs_mask(first), first, q_pos, s, s_coord);
+    float scale[2];
+    transform_scores<T>(p, mask, mask.tile_needs_mask(first), first, q_pos, score_scale, s, s_coord, scale);
     online_softmax(s, m, d, scale, T::kPExponentOffset, alpha);
   };
 
@@ -888,7 +927,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
     follow_pipeline<T>(smem, num_tiles, wg);
   } else if (num_tiles > 0) {
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
-    Tensor tOrP = make_tensor<Element>(typename T::FragmentPShape{});
+    Tensor tOrP = make_tensor<typename T::ElementP>(typename T::FragmentPShape{});
     float alpha[2];
     if (wg == 1) scheduler_pass(wg);  // warpgroup 0 issues first
     Barrier::wait(&smem.q_full, 0);
@@ -967,7 +1006,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
       Barrier::init(&smem.v_empty[s], T::kConsumerThreads);
     }
 #pragma unroll
-    for (int b = 0; b < T::kVStaging; ++b) Barrier::init(&smem.v_rows_full[b], 1);  // warp 0 lane 0's
+    for (int b = 0; b < T::kVStaging; ++b) Barrier::init(&smem.v_rows_full[b], 1);  // thread 0's
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
