@@ -366,9 +366,10 @@ __device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const W
 // (8 pages, 32 boxes for hd 128) issues in a quarter of the time, and the page ids are read in
 // parallel.
 struct TileBoxes {
-  PageRow origin;  // this lane's box: (page, first row in it)
-  int row;         // the box's first row in the tile
-  bool boxing;     // whether this lane has a box
+  PageRow origin;    // this lane's box: (page, first row in it)
+  int row;           // the box's first row in the tile
+  bool boxing;       // whether this lane has a box
+  bool warp_boxing;  // whether this warp has any (lane 0 has box w), so waits for the stage
 };
 
 template <typename T>
@@ -378,7 +379,8 @@ __device__ __forceinline__ TileBoxes tile_boxes(const KernelArgs<T>& args, const
   constexpr int kWarps = T::kProducerThreads / 32;
   const int box = threadIdx.x % 32 * kWarps + threadIdx.x / 32;
   const int boxes = T::kPagedKV ? T::kBlockN / args.box_rows : 1;
-  TileBoxes t{PageRow{0, kv_token_base + first}, box * args.box_rows, box < boxes};  // ragged: one page of every row
+  // ragged: one page of every row
+  TileBoxes t{PageRow{0, kv_token_base + first}, box * args.box_rows, box < boxes, int(threadIdx.x / 32) < boxes};
   if (T::kPagedKV && t.boxing) t.origin = resolve_page(page_ids, page_size, args.p.num_pages, first + t.row, bad_page);
   return t;
 }
@@ -400,13 +402,14 @@ __device__ __forceinline__ void box_tile(const CUtensorMap& map, const TileBoxes
   }
 }
 
-// Every producer warp: its boxes of the K tile into the stage, and of the 16-bit V tile (fp8 V goes
-// through box_v_rows), each once the stage is free.
+// Every producer warp with boxes: its boxes of the K tile into the stage, and of the 16-bit V tile
+// (fp8 V goes through box_v_rows), each once the stage is free.
 template <typename T>
 __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                                  const TileBoxes& boxes, int stage, uint32_t free_phase, int kv_head) {
   using Barrier = cutlass::arch::ClusterBarrier;
   using Element = typename T::Element;
+  if (!boxes.warp_boxing) return;  // spinning on the stage's barriers would take issue slots from the consumers
   Barrier::wait(&smem.k_empty[stage], free_phase);
   box_tile<T, T::kHeadDimQK>(args.k_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.k),
                              &smem.k_full[stage], T::kTmaBytesK, [&](int row, int col) {
@@ -567,11 +570,11 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     const int first = w.begin + n * T::kBlockN;
     if (tile_is_boxed<T>(args, w, first)) {
       if constexpr (T::kFp8) {
-        // K, then V rows for this tile and the boxed tiles right after it, as far as the staging
-        // buffers reach (tile n + i takes buffer (staged + i) % kVStaging, whose last tile was
-        // transposed before an earlier barrier), so their latency hides behind the transposes.
-        load_kv_tile_tma<T>(smem, args, tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page),
-                            stage, free_phase, kv_head);
+        // V rows for this tile and the boxed tiles right after it, as far as the staging buffers
+        // reach (tile n + i takes buffer (staged + i) % kVStaging, whose last tile was transposed
+        // before an earlier barrier), so their latency hides behind the transposes; then K. K's
+        // page ids are read first, so their latency overlaps the V rows' page ids'.
+        const TileBoxes k_boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page);
         unrequested = max(unrequested, n);
         while (unrequested < num_tiles && unrequested - n < T::kVStaging &&
                tile_is_boxed<T>(args, w, w.begin + unrequested * T::kBlockN)) {
@@ -581,6 +584,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
                         (staged + ahead) % T::kVStaging, kv_head);
           ++unrequested;
         }
+        load_kv_tile_tma<T>(smem, args, k_boxes, stage, free_phase, kv_head);
         const int buffer = staged % T::kVStaging;
         cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (staged / T::kVStaging) & 1);
         Barrier::wait(&smem.v_empty[stage], free_phase);
@@ -593,8 +597,10 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
       }
       continue;
     }
-    // The page table's one slot may be refilled: the last gathered tile's copies were all issued
-    // before arrive_gathered's barrier.
+    // Warps without boxes skipped the 16-bit boxed tiles (rather than spin on their barriers), so
+    // they meet the others here before waiting on a stage barrier whose phase parity only then
+    // means this tile; this also frees the page table's one slot.
+    cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
     if constexpr (T::kPagedKV) {
       fill_page_table<T>(smem.page_rows, p, page_ids, page_size, first, w.end, tid, bad_page);
       cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
