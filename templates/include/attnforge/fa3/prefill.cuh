@@ -585,6 +585,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
           ++unrequested;
         }
         load_kv_tile_tma<T>(smem, args, k_boxes, stage, free_phase, kv_head);
+        __syncwarp();  // lanes without boxes left early; ldmatrix and bar.sync below need the whole warp
         const int buffer = staged % T::kVStaging;
         cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (staged / T::kVStaging) & 1);
         Barrier::wait(&smem.v_empty[stage], free_phase);
@@ -594,6 +595,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
       } else {
         load_kv_tile_tma<T>(smem, args, tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page),
                             stage, free_phase, kv_head);
+        __syncwarp();  // lanes without boxes left early; the bar.sync of a gathered tile needs the whole warp
       }
       continue;
     }
