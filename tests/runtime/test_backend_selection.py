@@ -90,3 +90,14 @@ def test_every_fa3_rule_is_exercised_above():
                "fa3-needs-sm90a", "fa3-only-sm90a", "fa3-same-dtype-family", "fa3-no-fp16-qk-reduction",
                "fa3-fp8-head-dims"}
     assert set(FA3_RULES) <= covered, f"add a selection test for {set(FA3_RULES) - covered}"
+
+
+@pytest.mark.parametrize("fp8", [DType.E4M3, DType.E5M2])
+def test_auto_picks_fa3_for_an_fp8_query_and_cache_on_hopper(fp8):
+    """Issue 5's selection: fp8 q + fp8 KV (either format) on sm90 runs on fa3, whose fp8 wgmma
+    takes both; before Hopper no kernel serves it and auto refuses."""
+    spec = KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=fp8, dtype_kv=fp8, dtype_o=DType.BF16,
+                      head_dim_qk=128, head_dim_vo=128, archs=(Arch.SM90A,))
+    assert dispatch.resolve_backend("auto", spec).backend is Backend.FA3
+    with pytest.raises(UnsupportedSpecError):
+        dispatch.resolve_backend("auto", dataclasses.replace(spec, archs=(Arch.SM80,)))
