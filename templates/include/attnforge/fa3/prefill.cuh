@@ -140,7 +140,7 @@ struct PrefillTraits {
   static constexpr int kVRowsBytes = kBlockN * kHeadDimVO * kElementBytes;
   static constexpr int kVStaging =
       !kFp8 ? 0 : (kQBytes + 3 * kStageBytes + 4 * kVRowsBytes + kTableBytes + 2048 <= 227 * 1024 ? 4 : 2);
-  static constexpr int kStagingBytes = kVStaging * kVRowsBytes;
+  static constexpr int kStagingBytes = kVStaging * kBlockN * kHeadDimVO * kElementBytes;
   static constexpr int kStages =
       kQBytes + 3 * kStageBytes + kStagingBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
   static_assert(!kFp8 || kVStaging >= 2, "fa3 fp8: the next tile's V rows need a second staging buffer");
@@ -429,32 +429,22 @@ __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem
 template <typename T>
 __device__ __forceinline__ void box_v_rows(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                            const TileBoxes& boxes, int buffer, int kv_head) {
-  using Element = typename T::Element;
   box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
                              &smem.v_rows_full[buffer], T::kTmaBytesV, [&](int row, int col) {
-                               return swizzled_offset<typename T::SmemLayoutVRows, Element>(row, col, buffer);
+                               return swizzled_offset<typename T::SmemLayoutVRows, typename T::Element>(row, col, buffer);
                              });
 }
 
-// Byte selectors of the first transpose step: interleave two keys' dims 0-1 (or 2-3), each also
-// with the two keys swapped.
-constexpr uint32_t kPairsLow = 0x5140, kPairsHigh = 0x7362;            // k0d0 k1d0 k0d1 k1d1 | d2 d3
-constexpr uint32_t kPairsLowSwapped = 0x1504, kPairsHighSwapped = 0x3726;  // k1d0 k0d0 k1d1 k0d1 | d2 d3
-
-// Bytes (key i, dim c) of four keys' words -> word c holds dim c of keys 0..3, in key order. The
-// selectors may swap keys 0 <-> 1 and 2 <-> 3 (the swapped pair) and dims 0-1 <-> 2-3 (the pairs'
-// roles exchanged: words 0, 1 then hold dims 2, 3).
-__device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&key_words)[4], uint32_t (&dim_words)[4],
-                                                    uint32_t first_pairs = kPairsLow,
-                                                    uint32_t second_pairs = kPairsHigh) {
-  const uint32_t first01 = __byte_perm(key_words[0], key_words[1], first_pairs);
-  const uint32_t first23 = __byte_perm(key_words[2], key_words[3], first_pairs);
-  const uint32_t second01 = __byte_perm(key_words[0], key_words[1], second_pairs);
-  const uint32_t second23 = __byte_perm(key_words[2], key_words[3], second_pairs);
-  dim_words[0] = __byte_perm(first01, first23, 0x5410);
-  dim_words[1] = __byte_perm(first01, first23, 0x7632);
-  dim_words[2] = __byte_perm(second01, second23, 0x5410);
-  dim_words[3] = __byte_perm(second01, second23, 0x7632);
+// Bytes (key i, dim c) of four keys' words -> word c holds dim c of keys 0..3, in key order.
+__device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&key_words)[4], uint32_t (&dim_words)[4]) {
+  const uint32_t lo01 = __byte_perm(key_words[0], key_words[1], 0x5140);  // k0d0 k1d0 k0d1 k1d1
+  const uint32_t lo23 = __byte_perm(key_words[2], key_words[3], 0x5140);
+  const uint32_t hi01 = __byte_perm(key_words[0], key_words[1], 0x7362);  // k0d2 k1d2 k0d3 k1d3
+  const uint32_t hi23 = __byte_perm(key_words[2], key_words[3], 0x7362);
+  dim_words[0] = __byte_perm(lo01, lo23, 0x5410);
+  dim_words[1] = __byte_perm(lo01, lo23, 0x7632);
+  dim_words[2] = __byte_perm(hi01, hi23, 0x5410);
+  dim_words[3] = __byte_perm(hi01, hi23, 0x7632);
 }
 
 // FP8 V tile from its staged rows: Vt(d, slot) = V(p_key_of_slot(slot), d). A slot word (4 slots)
@@ -477,8 +467,7 @@ __device__ __forceinline__ void transpose_v_tile(typename T::SharedStorage& smem
   const int row_key = 32 * group + 16 * (row / 4) + 2 * (row % 4) + (partner & 1) + 8 * (partner >> 1);
   const int word = lane / 4, dim0 = 4 * (lane % 4);
   const bool partnered = word >= 4, shifted = lane % 4 >= 2;
-  const uint32_t pair_lo = partnered ? kPairsLowSwapped : kPairsLow;
-  const uint32_t pair_hi = partnered ? kPairsHighSwapped : kPairsHigh;
+  const uint32_t pair_lo = partnered ? 0x1504 : 0x5140, pair_hi = partnered ? 0x3726 : 0x7362;
   const uint32_t first_pairs = shifted ? pair_hi : pair_lo, second_pairs = shifted ? pair_lo : pair_hi;
   const uint32_t src = common::smem_addr(smem.v_rows) +
                        swizzled_offset<typename T::SmemLayoutVRows, Element>(row_key, 0, buffer);
@@ -492,8 +481,11 @@ __device__ __forceinline__ void transpose_v_tile(typename T::SharedStorage& smem
   for (int chunk = 0; chunk < kChunks; ++chunk) {
     uint32_t keys[4];
     common::ldmatrix_x4(keys, (src ^ (chunk % kLineChunks * 16)) + chunk / kLineChunks * kBlockBytes);
-    uint32_t words[4];
-    transpose_4x4_bytes(keys, words, first_pairs, second_pairs);
+    const uint32_t first01 = __byte_perm(keys[0], keys[1], first_pairs), first23 = __byte_perm(keys[2], keys[3], first_pairs);
+    const uint32_t second01 = __byte_perm(keys[0], keys[1], second_pairs);
+    const uint32_t second23 = __byte_perm(keys[2], keys[3], second_pairs);
+    const uint32_t words[4] = {__byte_perm(first01, first23, 0x5410), __byte_perm(first01, first23, 0x7632),
+                               __byte_perm(second01, second23, 0x5410), __byte_perm(second01, second23, 0x7632)};
 #pragma unroll
     for (int i = 0; i < 4; ++i) common::store_shared_u32(dst[i] + chunk * 16 * T::kBlockN, words[i]);
   }
