@@ -93,15 +93,9 @@ def converted(problem: prefill.Problem, fn, scales: Scales = SCALES) -> prefill.
                    cache=(fn(k_cache, scales.k), fn(v_cache, scales.v)))
 
 
-def error_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(relative L2, max abs) of out against ref; NaN when either holds a NaN."""
-    diff = out.float() - ref.float()
-    return (diff.norm() / ref.float().norm().clamp_min(1e-30)).item(), diff.abs().max().item()
-
-
 def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> tuple[float, float]:
     """error_stats of an fp8 output vs the bf16 one; AssertionError when it is not fit to be timed."""
-    rel_l2, max_abs = error_stats(out, ref)
+    rel_l2, max_abs = prefill.error_stats(out, ref)
     if not rel_l2 <= MAX_REL_L2:  # also catches NaN
         raise AssertionError(f"{what}: fp8 output vs bf16 relative L2 {rel_l2:.3g} (limit {MAX_REL_L2:g}), "
                              f"max abs {max_abs:.3g}")
@@ -147,24 +141,9 @@ class PrefillRow:
         return self.fp8_ragged_tflops / self.cudnn_tflops if self.cudnn_tflops else None
 
 
-def cudnn_peer(problem: prefill.Problem, batch: int, causal: bool, ours_out: torch.Tensor, args, notes: list):
-    """SDPA pinned to cuDNN on the bf16 problem: microseconds, or None (the reason goes to notes)."""
+def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, args) -> PrefillRow:
     from torch.nn.attention import SDPBackend
 
-    if args.no_peers:
-        return None
-    try:
-        run, out = prefill.sdpa(problem, batch, causal, SDPBackend.CUDNN_ATTENTION)
-    except Exception as exc:  # a refusing backend is reported, not fatal
-        notes.append(f"cudnn n/a: {str(exc).splitlines()[0][:120]}")
-        return None
-    rel_l2, _ = error_stats(out, ours_out)
-    if not rel_l2 <= 1e-2:  # same contents, same precision: otherwise not like for like
-        notes.append(f"cudnn output differs from our bf16 by relative L2 {rel_l2:.3g}")
-    return time_cuda_us(run, args.iters, args.warmup)
-
-
-def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, args) -> PrefillRow:
     fp8 = converted(prefill.make_problem(batch, length, h), quantize)
     bf16 = converted(fp8, dequantize)
     runs = {
@@ -176,7 +155,8 @@ def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, arg
     flops = prefill.flop_count(batch, length, h, causal)
     tflops = {key: flops / (time_cuda_us(run, args.iters, args.warmup) * 1e6) for key, (run, _) in runs.items()}
     notes = []
-    cudnn_us = cudnn_peer(bf16, batch, causal, runs["bf16 ragged"][1], args, notes)
+    cudnn_us = prefill.sdpa_peer_us(bf16, batch, causal, "cudnn", SDPBackend.CUDNN_ATTENTION, runs["bf16 ragged"][1],
+                                    args, notes)
     del fp8, bf16, runs
     torch.cuda.empty_cache()
     return PrefillRow(batch, length, h.dim, causal, tflops["fp8 paged"], tflops["fp8 ragged"], tflops["bf16 ragged"],

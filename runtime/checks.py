@@ -121,6 +121,22 @@ def scale(value, name: str) -> float | None:
     return float(value)
 
 
+def positional_scales(args: tuple, fp8_query: bool, q_scale, k_scale, v_scale) -> tuple:
+    """FlashInfer's fa3 fp8 form run(q, kv..., q_scale, k_scale, v_scale): with an fp8 query the
+    three extra positional arguments are the scales (then not also given as keywords)."""
+    if not args:
+        return q_scale, k_scale, v_scale
+    if not fp8_query:
+        raise TypeError("run(): positional scales are only accepted with an fp8 query; pass q_scale/k_scale/"
+                        "v_scale as keywords")
+    if len(args) != 3:
+        raise TypeError(f"run(): with an fp8 query the extra positional arguments are (q_scale, k_scale, v_scale), "
+                        f"got {len(args)}")
+    if any(x is not None for x in (q_scale, k_scale, v_scale)):
+        raise TypeError("run(): scales given both positionally and as keywords")
+    return args
+
+
 def head_scale(value, name: str, heads: int, device: torch.device) -> tuple[torch.Tensor | None, float | None]:
     """An fa3 fp8 scale: a float (per tensor), or a float32 tensor of one value per head ([heads])
     or one for all ([1]) on the tensors' device. Returns (tensor, None) or (None, float)."""

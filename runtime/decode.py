@@ -317,9 +317,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan(): call plan() with the batch's page table first")
-        if args:
-            raise TypeError("run(): positional scales are only accepted with an fp8 query; pass q_scale/k_scale/"
-                            "v_scale as keywords")
+        # rule fa2-no-fp8-q: a CUDA-core decode query is 16-bit, so positional scales are refused.
+        q_scale, k_scale, v_scale = checks.positional_scales(args, False, q_scale, k_scale, v_scale)
         checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the decode kernel")
         checks.tensor(q, "q")
         checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")

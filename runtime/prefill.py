@@ -90,24 +90,8 @@ class _Plan:
     keep_alive: tuple  # device tensors the kernel reads (page ids, packed mask)
 
 
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def positional_scales(args: tuple, dtype_q: torch.dtype, q_scale, k_scale, v_scale) -> tuple:
-    """FlashInfer's fa3 fp8 form run(q, kv..., q_scale, k_scale, v_scale): with an fp8 query the
-    three extra positional arguments are the scales (then not also given as keywords)."""
-    if not args:
-        return q_scale, k_scale, v_scale
-    if not is_fp8(dtype_q):
-        raise TypeError("run(): positional scales are only accepted with an fp8 query; pass q_scale/k_scale/"
-                        "v_scale as keywords")
-    if len(args) != 3:
-        raise TypeError(f"run(): with an fp8 query the extra positional arguments are (q_scale, k_scale, v_scale), "
-                        f"got {len(args)}")
-    if any(x is not None for x in (q_scale, k_scale, v_scale)):
-        raise TypeError("run(): scales given both positionally and as keywords")
-    return args
+def _fp8_query(plan: _Plan) -> bool:
+    return dispatch.to_dtype(plan.dtype_q, "q_data_type").is_fp8
 
 
 class _BatchPrefillWrapper:
@@ -284,7 +268,7 @@ class _BatchPrefillWrapper:
     def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_strides: tuple, v_strides: tuple,
                 num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool) -> object:
         plan = self._plan
-        q_scale, k_scale, v_scale = positional_scales(args, plan.dtype_q, q_scale, k_scale, v_scale)
+        q_scale, k_scale, v_scale = checks.positional_scales(args, _fp8_query(plan), q_scale, k_scale, v_scale)
         checks.tensor(q, "q")
         checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
         checks.device(q, "q", self._device)
@@ -320,7 +304,7 @@ class _BatchPrefillWrapper:
         params for the kernel to read (a float q/k scale folds into sm_scale, a float v_scale
         multiplies o afterwards)."""
         plan, params = self._plan, self._plan.params
-        if not is_fp8(plan.dtype_q):
+        if not _fp8_query(plan):
             return checks.scale(q_scale, "q_scale"), checks.scale(k_scale, "k_scale"), checks.scale(v_scale, "v_scale")
         floats = []
         for name, value, heads in (("q_scale", q_scale, plan.num_qo_heads), ("k_scale", k_scale, plan.num_kv_heads),

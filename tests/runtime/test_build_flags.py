@@ -1,5 +1,5 @@
 """Per-backend build flags: FA3 modules get the CuTe headers and the extended wgmma shapes; a
-ptxas report of serialized wgmma (C7510) fails the build. No compiler runs here."""
+ptxas report of serialized wgmma (C7510, C7520) fails the build. No compiler runs here."""
 
 from __future__ import annotations
 
@@ -48,11 +48,17 @@ def test_cutlass_dir_without_headers_is_refused(tmp_path):
         cutlass_include(_config(cutlass_dir=tmp_path))
 
 
-def test_serialized_wgmma_warning_fails_the_build(tmp_path, monkeypatch):
+@pytest.mark.parametrize("report", [
+    "ptxas warning : (C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized due to the "
+    "presence of Extern calls",
+    "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+    "program dependence on compiler-inserted WG.AR in divergent path in the function 'k'",
+], ids=["C7510", "C7520"])
+def test_serialized_wgmma_report_fails_the_build(tmp_path, monkeypatch, report):
     fake = tmp_path / "ninja"
-    fake.write_text("#!/bin/sh\necho \"ptxas warning : (C7510) Potential Performance Loss: wgmma.mma_async "
-                    "instructions are serialized due to the presence of Extern calls\"\n")
+    fake.write_text(f"#!/bin/sh\necho \"{report}\"\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(build_module, "_ninja", lambda: str(fake))
-    with pytest.raises(BuildError, match="C7510"):
+    with pytest.raises(BuildError, match="serialized wgmma") as raised:
         build_module._run_ninja(tmp_path, _config(verbose=False))
+    assert report.split(":")[1].split(")")[0].strip(" (") in str(raised.value)

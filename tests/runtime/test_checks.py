@@ -288,14 +288,12 @@ def test_run_extras_refuse_sinks_pdl_and_a_new_window():
 
 
 def test_positional_scales_only_with_an_fp8_query():
-    from attnforge.prefill import positional_scales
-
-    e4m3 = torch.float8_e4m3fn
     scales = (torch.ones(1), torch.ones(1), torch.ones(1))
-    assert positional_scales(scales, e4m3, None, None, None) == scales
-    assert positional_scales((), torch.bfloat16, 0.5, None, 2.0) == (0.5, None, 2.0)
-    _raises(TypeError, positional_scales, scales, torch.bfloat16, None, None, None,
+    assert checks.positional_scales(scales, True, None, None, None) == scales
+    assert checks.positional_scales((), False, 0.5, None, 2.0) == (0.5, None, 2.0)
+    _raises(TypeError, checks.positional_scales, scales, False, None, None, None,
             contains=("positional scales", "fp8 query", "keywords"))
-    _raises(TypeError, positional_scales, scales[:2], e4m3, None, None, None,
+    _raises(TypeError, checks.positional_scales, scales[:2], True, None, None, None,
             contains=("(q_scale, k_scale, v_scale)", "got 2"))
-    _raises(TypeError, positional_scales, scales, e4m3, None, 1.0, None, contains=("both positionally and as keywords",))
+    _raises(TypeError, checks.positional_scales, scales, True, None, 1.0, None,
+            contains=("both positionally and as keywords",))

@@ -113,8 +113,8 @@ struct PrefillTraits {
   static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one type (rule fa3-same-dtype-family)");
   static_assert(sizeof(DTypeO) == 2, "fa3 prefill dtypes: o is half or bf16 (rule o-not-fp8)");
   static constexpr int kElementBytes = int(sizeof(DTypeKV));
-  // Rows must fill whole 128-byte swizzle lines: 64 16-bit or 128 fp8 elements.
-  static constexpr int kLineElements = 128 / kElementBytes;
+  // Rows must fill whole 128-byte swizzle lines (a TMA box's width): 64 16-bit or 128 fp8 elements.
+  static constexpr int kLineElements = host::kTmaBoxBytes / kElementBytes;
   static_assert(kHeadDimQK % kLineElements == 0 && kHeadDimVO % kLineElements == 0 && kHeadDimQK <= 256 &&
                     kHeadDimVO <= 256,
                 "fa3 prefill head dims: multiples of 64 (16-bit) or 128 (fp8) up to 256 (rule fa3-head-dims)");
@@ -132,15 +132,16 @@ struct PrefillTraits {
   // A third K/V stage where it fits (hd <= 128, paged too: its page table is one 1 KB slot); the
   // fixed bytes are the Q tile, the page table, the slack for aligning the base and the barriers.
   static constexpr int kQBytes = kBlockM * kHeadDimQK * kElementBytes;
-  static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * kElementBytes;
+  static constexpr int kTileBytesK = kBlockN * kHeadDimQK * kElementBytes;
+  static constexpr int kTileBytesV = kBlockN * kHeadDimVO * kElementBytes;
+  static constexpr int kStageBytes = kTileBytesK + kTileBytesV;
   static constexpr int kTableBytes = kPagedKV ? kBlockN * 8 : 0;
   // FP8 V tiles come by TMA as rows into staging buffers, which the producer transposes into the
   // stage (transpose_v_tile) while the next tiles' rows land in the others: four where they fit
   // (hd 128; a decode CTA computes so little per tile that its loads need that much lead), else two.
-  static constexpr int kVRowsBytes = kBlockN * kHeadDimVO * kElementBytes;
   static constexpr int kVStaging =
-      !kFp8 ? 0 : (kQBytes + 3 * kStageBytes + 4 * kVRowsBytes + kTableBytes + 2048 <= 227 * 1024 ? 4 : 2);
-  static constexpr int kStagingBytes = kVStaging * kBlockN * kHeadDimVO * kElementBytes;
+      !kFp8 ? 0 : (kQBytes + 3 * kStageBytes + 4 * kTileBytesV + kTableBytes + 2048 <= 227 * 1024 ? 4 : 2);
+  static constexpr int kStagingBytes = kVStaging * kTileBytesV;
   static constexpr int kStages =
       kQBytes + 3 * kStageBytes + kStagingBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
   static_assert(!kFp8 || kVStaging >= 2, "fa3 fp8: the next tile's V rows need a second staging buffer");
@@ -175,8 +176,6 @@ struct PrefillTraits {
   using SmemLayoutVRows = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},
       cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimVO>, cute::Int<kFp8 ? kVStaging : 1>>{}));
-  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDimQK * kElementBytes;
-  static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimVO * kElementBytes;
   // P as the PV wgmma's A operand: the 16-bit ((2, 2, 2), 1, N/16) of 16-key blocks, or the fp8
   // ((4, 2, 2), 1, N/32) of 32-key blocks; both hold S's kBlockN / 2 values per thread.
   using FragmentPShape = std::conditional_t<
@@ -184,6 +183,9 @@ struct PrefillTraits {
       cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::Int<kBlockN / 16>>>;
   // exp2 offset of P: 2^8 times the weights puts the largest (1) at 256 of e4m3's 448.
   static constexpr float kPExponentOffset = kFp8 ? 8.f : 0.f;
+  // How far (log2) a row's running max may trail its true max (online_softmax): e4m3 P then reaches
+  // 2^(8 + 0.8) < 448, its largest finite value; a 16-bit P 2^8.
+  static constexpr float kMaxLag = kFp8 ? 0.8f : 8.f;
 
   // One 64-row wgmma per consumer warpgroup, the two stacked along M.
   using TiledMmaQK = decltype(cute::make_tiled_mma(
@@ -412,13 +414,13 @@ __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem
   if (!boxes.warp_boxing) return;  // spinning on the stage's barriers would take issue slots from the consumers
   Barrier::wait(&smem.k_empty[stage], free_phase);
   box_tile<T, T::kHeadDimQK>(args.k_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.k),
-                             &smem.k_full[stage], T::kTmaBytesK, [&](int row, int col) {
+                             &smem.k_full[stage], T::kTileBytesK, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutK, Element>(row, col, stage);
                              });
   if constexpr (!T::kFp8) {
     Barrier::wait(&smem.v_empty[stage], free_phase);
     box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v),
-                               &smem.v_full[stage], T::kTmaBytesV, [&](int row, int col) {
+                               &smem.v_full[stage], T::kTileBytesV, [&](int row, int col) {
                                  return swizzled_offset<typename T::SmemLayoutVt, Element>(col, row, stage);
                                });
   }
@@ -430,21 +432,30 @@ template <typename T>
 __device__ __forceinline__ void box_v_rows(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                            const TileBoxes& boxes, int buffer, int kv_head) {
   box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
-                             &smem.v_rows_full[buffer], T::kTmaBytesV, [&](int row, int col) {
+                             &smem.v_rows_full[buffer], T::kTileBytesV, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutVRows, typename T::Element>(row, col, buffer);
                              });
 }
 
-// Bytes (key i, dim c) of four keys' words -> word c holds dim c of keys 0..3, in key order.
-__device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&key_words)[4], uint32_t (&dim_words)[4]) {
-  const uint32_t lo01 = __byte_perm(key_words[0], key_words[1], 0x5140);  // k0d0 k1d0 k0d1 k1d1
-  const uint32_t lo23 = __byte_perm(key_words[2], key_words[3], 0x5140);
-  const uint32_t hi01 = __byte_perm(key_words[0], key_words[1], 0x7362);  // k0d2 k1d2 k0d3 k1d3
-  const uint32_t hi23 = __byte_perm(key_words[2], key_words[3], 0x7362);
-  dim_words[0] = __byte_perm(lo01, lo23, 0x5410);
-  dim_words[1] = __byte_perm(lo01, lo23, 0x7632);
-  dim_words[2] = __byte_perm(hi01, hi23, 0x5410);
-  dim_words[3] = __byte_perm(hi01, hi23, 0x7632);
+// Byte selectors of the first transpose step: interleave two keys' dims 0-1 (or 2-3), each also
+// with the two keys swapped.
+constexpr uint32_t kPairsLow = 0x5140, kPairsHigh = 0x7362;                // k0d0 k1d0 k0d1 k1d1 | d2 d3
+constexpr uint32_t kPairsLowSwapped = 0x1504, kPairsHighSwapped = 0x3726;  // k1d0 k0d0 k1d1 k0d1 | d2 d3
+
+// Bytes (key i, dim c) of four keys' words -> word c holds dim c of keys 0..3, in key order. The
+// selectors may swap keys 0 <-> 1 and 2 <-> 3 (the swapped pairs) and dims 0-1 <-> 2-3 (the pairs'
+// roles exchanged: words 0, 1 then hold dims 2, 3).
+__device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&key_words)[4], uint32_t (&dim_words)[4],
+                                                    uint32_t first_pairs = kPairsLow,
+                                                    uint32_t second_pairs = kPairsHigh) {
+  const uint32_t first01 = __byte_perm(key_words[0], key_words[1], first_pairs);
+  const uint32_t first23 = __byte_perm(key_words[2], key_words[3], first_pairs);
+  const uint32_t second01 = __byte_perm(key_words[0], key_words[1], second_pairs);
+  const uint32_t second23 = __byte_perm(key_words[2], key_words[3], second_pairs);
+  dim_words[0] = __byte_perm(first01, first23, 0x5410);
+  dim_words[1] = __byte_perm(first01, first23, 0x7632);
+  dim_words[2] = __byte_perm(second01, second23, 0x5410);
+  dim_words[3] = __byte_perm(second01, second23, 0x7632);
 }
 
 // FP8 V tile from its staged rows: Vt(d, slot) = V(p_key_of_slot(slot), d). A slot word (4 slots)
@@ -467,7 +478,8 @@ __device__ __forceinline__ void transpose_v_tile(typename T::SharedStorage& smem
   const int row_key = 32 * group + 16 * (row / 4) + 2 * (row % 4) + (partner & 1) + 8 * (partner >> 1);
   const int word = lane / 4, dim0 = 4 * (lane % 4);
   const bool partnered = word >= 4, shifted = lane % 4 >= 2;
-  const uint32_t pair_lo = partnered ? 0x1504 : 0x5140, pair_hi = partnered ? 0x3726 : 0x7362;
+  const uint32_t pair_lo = partnered ? kPairsLowSwapped : kPairsLow;
+  const uint32_t pair_hi = partnered ? kPairsHighSwapped : kPairsHigh;
   const uint32_t first_pairs = shifted ? pair_hi : pair_lo, second_pairs = shifted ? pair_lo : pair_hi;
   const uint32_t src = common::smem_addr(smem.v_rows) +
                        swizzled_offset<typename T::SmemLayoutVRows, Element>(row_key, 0, buffer);
@@ -481,11 +493,8 @@ __device__ __forceinline__ void transpose_v_tile(typename T::SharedStorage& smem
   for (int chunk = 0; chunk < kChunks; ++chunk) {
     uint32_t keys[4];
     common::ldmatrix_x4(keys, (src ^ (chunk % kLineChunks * 16)) + chunk / kLineChunks * kBlockBytes);
-    const uint32_t first01 = __byte_perm(keys[0], keys[1], first_pairs), first23 = __byte_perm(keys[2], keys[3], first_pairs);
-    const uint32_t second01 = __byte_perm(keys[0], keys[1], second_pairs);
-    const uint32_t second23 = __byte_perm(keys[2], keys[3], second_pairs);
-    const uint32_t words[4] = {__byte_perm(first01, first23, 0x5410), __byte_perm(first01, first23, 0x7632),
-                               __byte_perm(second01, second23, 0x5410), __byte_perm(second01, second23, 0x7632)};
+    uint32_t words[4];
+    transpose_4x4_bytes(keys, words, first_pairs, second_pairs);
 #pragma unroll
     for (int i = 0; i < 4; ++i) common::store_shared_u32(dst[i] + chunk * 16 * T::kBlockN, words[i]);
   }
@@ -573,15 +582,17 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
         // V rows for this tile and the boxed tiles right after it, as far as the staging buffers
         // reach (tile n + i takes buffer (staged + i) % kVStaging, whose last tile was transposed
         // before an earlier barrier), so their latency hides behind the transposes; then K. K's
-        // page ids are read first, so their latency overlaps the V rows' page ids'.
+        // page ids are read first, so their latency overlaps the later V rows'; tile n's own V rows
+        // reuse them.
         const TileBoxes k_boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page);
         unrequested = max(unrequested, n);
         while (unrequested < num_tiles && unrequested - n < T::kVStaging &&
                tile_is_boxed<T>(args, w, w.begin + unrequested * T::kBlockN)) {
           const int ahead = unrequested - n;
-          box_v_rows<T>(smem, args,
-                        tile_boxes<T>(args, page_ids, page_size, kv_token_base, first + ahead * T::kBlockN, bad_page),
-                        (staged + ahead) % T::kVStaging, kv_head);
+          const TileBoxes v_boxes =
+              ahead == 0 ? k_boxes
+                         : tile_boxes<T>(args, page_ids, page_size, kv_token_base, first + ahead * T::kBlockN, bad_page);
+          box_v_rows<T>(smem, args, v_boxes, (staged + ahead) % T::kVStaging, kv_head);
           ++unrequested;
         }
         load_kv_tile_tma<T>(smem, args, k_boxes, stage, free_phase, kv_head);
@@ -674,21 +685,29 @@ struct KeyMask {
 // Returns in `alpha` the factor the rows' o must be multiplied by (the caller does it once the
 // P.V wgmma still reading o has finished).
 // `offset` (log2) scales the weights (and so d) by 2^offset; o / d is unchanged.
+// m only moves when a tile's max exceeds it by more than `max_lag`: below that the weights stay
+// under 2^(offset + max_lag), which P's type holds, and alpha stays exactly 1, so o is rescaled
+// only on the few tiles that raise a row's max that far.
 template <typename TensorS>
 __device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], const float (&scale)[2],
-                                               float offset, float (&alpha)[2]) {
+                                               float offset, float max_lag, float (&alpha)[2]) {
   using namespace cute;
   static_assert(decltype(size<0>(s))::value == 2, "fa3: two rows per thread");
+  static_assert(decltype(size<1>(s))::value % 4 == 0, "fa3: a row's columns split into four running maxima");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float tile_max = common::kNegInf;
+    // Four running maxima: one chain through all the columns would put its every FMNMX latency
+    // on the softmax's critical path.
+    float part_max[4] = {common::kNegInf, common::kNegInf, common::kNegInf, common::kNegInf};
 #pragma unroll
-    for (int c = 0; c < size<1>(s); ++c) tile_max = fmaxf(tile_max, s(r, c));
+    for (int c = 0; c < size<1>(s); ++c) part_max[c % 4] = fmaxf(part_max[c % 4], s(r, c));
+    float tile_max = fmaxf(fmaxf(part_max[0], part_max[1]), fmaxf(part_max[2], part_max[3]));
     tile_max = common::lane_group_max<4>(tile_max);
-    const float m_new = fmaxf(m[r], tile_max * scale[r]);
+    const float scaled_max = tile_max * scale[r];
+    const float m_new = scaled_max > m[r] + max_lag ? scaled_max : m[r];
     // -inf: nothing visible yet; measure from 0 so 2^(s - m) stays 0 rather than NaN.
     const float m_safe = m_new == common::kNegInf ? 0.f : m_new;
-    alpha[r] = common::fast_exp2(m[r] - m_safe);
+    alpha[r] = m_new == m[r] ? 1.f : common::fast_exp2(m[r] - m_safe);
     m[r] = m_new;
     d[r] *= alpha[r];
     // offset 0 (16-bit) must stay -m_safe: 0 - m is no FNEG (signed zeros), and costs an FADD per row.
@@ -921,7 +940,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
     Tensor s = make_tensor(s_acc.data(), rowcol(s_acc.layout()));
     float scale[2];
     transform_scores<T>(p, mask, mask.tile_needs_mask(first), first, q_pos, score_scale, s, s_coord, scale);
-    online_softmax(s, m, d, scale, T::kPExponentOffset, alpha);
+    online_softmax(s, m, d, scale, T::kPExponentOffset, T::kMaxLag, alpha);
   };
 
   // Software pipeline (FA3 intra-warpgroup overlap): iteration n issues S_n = Q K_n^T and
@@ -968,7 +987,8 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       Barrier::arrive(&smem.v_empty[prev]);
-      rescale_rows(o, alpha);
+      // A warp's 16 rows rarely all keep their max in the first tiles, and almost always after.
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_rows(o, alpha);
       convert_p<T>(tSrS, tOrP);
     }
 
