@@ -15,8 +15,7 @@ from .spec import Arch, Backend, Kind, KernelSpec, PosEncoding
 
 # Head dims each kernel family is written for, as (qk, vo) pairs.
 FA2_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
-# (192, 128) waits for a producer copy pattern that 24 cells per row divide; fa2 serves it.
-FA3_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
+FA3_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
 DECODE_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
 # fp8 fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 would need a 64-byte swizzle.
 FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(128, 128), (256, 256)})

@@ -47,6 +47,10 @@ FA3_FLAGS = ("-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED", "-Xptxas=-v")
 # whatever code comes next): the module would run several times slower than it should (a C7520
 # build ran at 37 instead of 600 TFLOP/s), so the build fails instead (KERNELS.md §3).
 SERIALIZED_WGMMA = "wgmma.mma_async instructions are serialized"
+# Except C7512, serialized for want of registers: the fa3 fp8 kernel at head dim 256 (o alone takes
+# 128 registers a thread) has always been built so, and measures at cuDNN bf16's speed
+# (docs/benchmarks.md). It is logged, not refused, until the kernel no longer needs it.
+REGISTER_BOUND_WGMMA = "(C7512)"
 
 
 class BuildError(RuntimeError):
@@ -154,10 +158,13 @@ def _run_ninja(build_dir: Path, config: Settings) -> None:
     if result.returncode != 0:
         tail = "\n".join(output.splitlines()[-60:])
         raise BuildError(f"ninja failed in {build_dir} (exit {result.returncode}):\n{tail}")
-    serialized = [line for line in output.splitlines() if SERIALIZED_WGMMA in line]
-    if serialized:
+    serialized = [line.strip() for line in output.splitlines() if SERIALIZED_WGMMA in line]
+    refused = [line for line in serialized if REGISTER_BOUND_WGMMA not in line]
+    if refused:
         raise BuildError(f"ptxas serialized wgmma in {build_dir}; the kernel would run far below speed:\n" +
-                         "\n".join(serialized[:10]))
+                         "\n".join(refused[:10]))
+    for line in serialized:
+        log.warning("%s: %s", build_dir, line)
 
 
 def build_locked(spec: KernelSpec, config: Settings) -> Path:

@@ -63,7 +63,7 @@ PLAIN = [Module(), Module(head_dim_qk=64, head_dim_vo=64), Module(head_dim_qk=25
 VARIANTS = [Module(window=True), Module(head_dim_qk=256, head_dim_vo=256, soft_cap=True, window=True),
             Module(mask=True), Module(pos="ROPE_LLAMA"), Module(pos="ALIBI")]
 FA3 = [Module(backend="fa3"), Module(torch.float16, 64, 64, backend="fa3"), Module(head_dim_qk=256, head_dim_vo=256,
-       backend="fa3"), Module(window=True, soft_cap=True, backend="fa3")]
+       backend="fa3"), Module(window=True, soft_cap=True, backend="fa3"), Module(head_dim_qk=192, backend="fa3")]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = [Module(fp8_kv=E4M3), Module(torch.float16, fp8_kv=E5M2), Module(fp8_kv=E5M2, head_dim_qk=64, head_dim_vo=64),
        Module(fp8_kv=E4M3, head_dim_qk=256, head_dim_vo=256), Module(fp8_kv=E4M3, head_dim_qk=192)]
@@ -384,6 +384,17 @@ def test_rows_outside_a_request_never_reach_it(module, paged, kv_len):
     out, lse = run_ours(case, batch)
     rows = case.qo_lens[0]
     assert_matches_reference(case, out[:rows], lse[:rows], o_ref[:rows], lse_ref[:rows])
+
+
+@pytest.mark.parametrize("page_size", [16, 5], ids=["boxed", "gathered"])
+def test_fa3_deepseek_head_dims_match_reference(page_size):
+    """fa3 at (qk 192, vo 128): K rows of 24 16-byte cells, by TMA boxes (page 16) and by the
+    cell-by-cell gather (pages of 5 rows, and every request's last tile)."""
+    case = Case(Module(head_dim_qk=192, backend="fa3"), qo_lens=[300, 7], kv_lens=[1000, 90], causal=True, paged=True,
+                layout="NHD", page_size=page_size, num_kv_heads=2, group=4, seed=page_size)
+    batch = build(case)
+    out, lse = run_ours(case, batch)
+    assert_matches_reference(case, out, lse, *run_reference(case, batch))
 
 
 def test_causal_rows_before_their_keys_see_nothing():

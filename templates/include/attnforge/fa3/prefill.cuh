@@ -332,24 +332,37 @@ __device__ __forceinline__ void fill_page_table(PageRow* table, const typename T
 // One K or V tile: kBlockN rows of kCells 16-byte cells, row offsets from `row_offset(row)` (-1:
 // past the range, zero-filled so P.V never meets garbage), smem position from `smem_offset`.
 // A thread keeps one cell and walks rows kRowsPerPass apart; when that is a whole number of
-// 8-row swizzle atoms its smem position only moves by a constant, so it is computed once.
+// 8-row swizzle atoms its smem position only moves by a constant, so it is computed once. A row
+// of cells that does not divide the warpgroup (24 for 192 16-bit dims) is copied cell by cell,
+// each thread finding its cell's row.
 template <typename T, int kCells, typename RowOffset, typename SmemOffset>
 __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename T::DTypeKV* head_base, int tid,
                                              RowOffset row_offset, SmemOffset smem_offset) {
-  constexpr int kRowsPerPass = T::kProducerThreads / kCells;
-  constexpr int kCopies = T::kBlockN / kRowsPerPass;
-  static_assert(T::kProducerThreads % kCells == 0 && T::kBlockN % kRowsPerPass == 0,
-                "fa3 kv tile: every producer thread copies alike");
-  const int cell = tid % kCells, row0 = tid / kCells;
-  const uint32_t base = smem_offset(row0, cell);
-  const uint32_t step = smem_offset(kRowsPerPass, 0) - smem_offset(0, 0);
-  // Partly unrolled: fully, the hoisted 64-bit source addresses overflow the producer's 40 registers.
+  if constexpr (T::kProducerThreads % kCells != 0) {
+    static_assert(T::kBlockN * kCells % T::kProducerThreads == 0, "fa3 kv tile: every producer thread copies alike");
 #pragma unroll 4
-  for (int i = 0; i < kCopies; ++i) {
-    const int row = row0 + i * kRowsPerPass;
-    const int64_t off = row_offset(row);
-    const uint32_t dst = kRowsPerPass % 8 == 0 ? base + i * step : smem_offset(row, cell);
-    common::cp_async_16(smem_base + dst, head_base + max(off, int64_t(0)) + cell * T::kCellElements, off >= 0);
+    for (int idx = tid; idx < T::kBlockN * kCells; idx += T::kProducerThreads) {
+      const int row = idx / kCells, cell = idx % kCells;
+      const int64_t off = row_offset(row);
+      common::cp_async_16(smem_base + smem_offset(row, cell), head_base + max(off, int64_t(0)) + cell * T::kCellElements,
+                          off >= 0);
+    }
+  } else {
+    constexpr int kRowsPerPass = T::kProducerThreads / kCells;
+    constexpr int kCopies = T::kBlockN / kRowsPerPass;
+    static_assert(T::kProducerThreads % kCells == 0 && T::kBlockN % kRowsPerPass == 0,
+                  "fa3 kv tile: every producer thread copies alike");
+    const int cell = tid % kCells, row0 = tid / kCells;
+    const uint32_t base = smem_offset(row0, cell);
+    const uint32_t step = smem_offset(kRowsPerPass, 0) - smem_offset(0, 0);
+    // Partly unrolled: fully, the hoisted 64-bit source addresses overflow the producer's 40 registers.
+#pragma unroll 4
+    for (int i = 0; i < kCopies; ++i) {
+      const int row = row0 + i * kRowsPerPass;
+      const int64_t off = row_offset(row);
+      const uint32_t dst = kRowsPerPass % 8 == 0 ? base + i * step : smem_offset(row, cell);
+      common::cp_async_16(smem_base + dst, head_base + max(off, int64_t(0)) + cell * T::kCellElements, off >= 0);
+    }
   }
 }
 
