@@ -90,10 +90,6 @@ class _Plan:
     keep_alive: tuple  # device tensors the kernel reads (page ids, packed mask)
 
 
-def _fp8_query(plan: _Plan) -> bool:
-    return dispatch.to_dtype(plan.dtype_q, "q_data_type").is_fp8
-
-
 class _BatchPrefillWrapper:
     """plan()/run() machinery shared by the paged and ragged wrappers."""
 
@@ -268,7 +264,8 @@ class _BatchPrefillWrapper:
     def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_strides: tuple, v_strides: tuple,
                 num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool) -> object:
         plan = self._plan
-        q_scale, k_scale, v_scale = checks.positional_scales(args, _fp8_query(plan), q_scale, k_scale, v_scale)
+        fp8_query = dispatch.to_dtype(plan.dtype_q, "q_data_type").is_fp8
+        q_scale, k_scale, v_scale = checks.positional_scales(args, fp8_query, q_scale, k_scale, v_scale)
         checks.tensor(q, "q")
         checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
         checks.device(q, "q", self._device)
@@ -280,7 +277,7 @@ class _BatchPrefillWrapper:
         if return_lse:
             lse = lse_output(lse, (plan.total_q, plan.num_qo_heads), self._device, "[qo_indptr[-1], num_qo_heads]")
         params = plan.params
-        q_scale, k_scale, v_scale = self._scales(q_scale, k_scale, v_scale)
+        q_scale, k_scale, v_scale = self._scales(fp8_query, q_scale, k_scale, v_scale)
         params.sm_scale_log2, params.soft_cap_log2 = score_scales(plan.sm_scale * (q_scale or 1.0) * (k_scale or 1.0),
                                                                   plan.soft_cap)
         params.q, params.k, params.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -299,12 +296,12 @@ class _BatchPrefillWrapper:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
 
-    def _scales(self, q_scale, k_scale, v_scale) -> tuple[float | None, float | None, float | None]:
+    def _scales(self, fp8_query: bool, q_scale, k_scale, v_scale) -> tuple[float | None, float | None, float | None]:
         """The float scales; tensor (per-head) ones, which only the fa3 fp8 kernels take, go into the
         params for the kernel to read (a float q/k scale folds into sm_scale, a float v_scale
         multiplies o afterwards)."""
         plan, params = self._plan, self._plan.params
-        if not _fp8_query(plan):
+        if not fp8_query:
             return checks.scale(q_scale, "q_scale"), checks.scale(k_scale, "k_scale"), checks.scale(v_scale, "v_scale")
         floats = []
         for name, value, heads in (("q_scale", q_scale, plan.num_qo_heads), ("k_scale", k_scale, plan.num_kv_heads),

@@ -415,24 +415,14 @@ def test_rising_scores_match_reference(qo_len, causal, backend):
     """Keys whose scores grow along the sequence, a little per tile and then in one late jump: fa3
     keeps a row's running max until a tile exceeds it by more than its lag (o is rescaled only
     then). o and lse must still be the reference's, for a decode row, a partial q tile and two."""
-    gen = torch.Generator(device=DEVICE).manual_seed(qo_len)
-    kv_len, heads, dim = 3000, 4, 128
-    q = torch.randn(qo_len, heads, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
-    growth = torch.linspace(0.2, 3.0, kv_len, device=DEVICE)
+    case = Case(Module(backend=backend), qo_lens=[qo_len], kv_lens=[3000], causal=causal, paged=False, layout="NHD",
+                page_size=16, num_kv_heads=4, group=1, seed=qo_len)
+    batch = build(case)
+    growth = torch.linspace(0.2, 3.0, case.kv_lens[0], device=DEVICE)
     growth[-100:] = 6.0  # the max jumps by far more than any lag
-    k = (torch.randn(kv_len, heads, dim, device=DEVICE, generator=gen) * growth[:, None, None]).to(torch.bfloat16)
-    v = torch.randn(kv_len, heads, dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
-    wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE),
-                                                             backend=backend)
-    wrapper.plan(indptr_of([qo_len]), indptr_of([kv_len]), heads, heads, dim, causal=causal,
-                 q_data_type=torch.bfloat16)
-    out = torch.full((qo_len, heads, dim), math.nan, dtype=torch.bfloat16, device=DEVICE)
-    lse = torch.full((qo_len, heads), math.nan, dtype=torch.float32, device=DEVICE)
-    wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
-    o_ref, lse_ref = reference.single_prefill(q, k, v, causal=causal)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.float(), o_ref.float(), **O_TOL[torch.bfloat16])
-    torch.testing.assert_close(lse, lse_ref, **LSE_TOL)
+    batch.k.mul_(growth[:, None, None])
+    out, lse = run_ours(case, batch)
+    assert_matches_reference(case, out, lse, *run_reference(case, batch))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, E4M3], ids=["bf16", "e4m3"])
