@@ -28,15 +28,18 @@ PREFILL_CTA_TILES = (16, 64, 128)
 METADATA = "metadata.json"
 
 
-# The FA3 kernel has one tile: two consumer warpgroups of 64 rows.
-FA3_CTA_TILE = 128
+def fa3_cta_tile(spec: KernelSpec) -> int:
+    """The FA3 kernel's one tile: a consumer warpgroup per 64 rows, three at 16-bit head dim 64
+    (fa3/prefill.cuh, PrefillTraits::kConsumerWarpgroups), else two."""
+    three = spec.head_dim_qk == spec.head_dim_vo == 64 and not spec.dtype_kv.is_fp8
+    return 192 if three else 128
 
 
 def prefill_cta_tiles(spec: KernelSpec) -> tuple[int, ...]:
     """The prefill tiles a module compiles: FA3 has one; FA2 drops the 128-row tile at head dim 256,
     where its accumulators would not fit the registers."""
     if spec.backend is Backend.FA3:
-        return (FA3_CTA_TILE,)
+        return (fa3_cta_tile(spec),)
     return PREFILL_CTA_TILES if spec.head_dim_qk < 256 else PREFILL_CTA_TILES[:-1]
 
 

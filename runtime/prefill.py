@@ -18,7 +18,7 @@ import torch
 
 from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
 from attnforge.codegen.dtypes import DType
-from attnforge.codegen.render import FA3_CTA_TILE
+from attnforge.codegen.render import fa3_cta_tile
 from attnforge.codegen.spec import Backend, PosEncoding
 
 from . import checks, dispatch, kv_cache
@@ -169,7 +169,7 @@ class _BatchPrefillWrapper:
                 raise ValueError(f"qo_indptr: this CUDA-graph wrapper was planned for batch_size={self._graph_shape[0]} "
                                  f"and at most {self._graph_shape[1]} query tokens, got {batch_size} and {total_q}")
         rows = self._graph_shape[1] if self._graph else total_q
-        fixed_tile = FA3_CTA_TILE if module.spec.backend is Backend.FA3 else 0
+        fixed_tile = fa3_cta_tile(module.spec) if module.spec.backend is Backend.FA3 else 0
         tile = fixed_tile or cta_tile_q(packed_len_estimate(rows, batch_size, group, self._graph), head_dim_qk)
         max_ctas = _max_ctas(module, tile, self._paged, device_index)
         kv_page = page_size if self._paged else 1
@@ -287,10 +287,11 @@ class _BatchPrefillWrapper:
         params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = k_strides
         params.v_stride_page, params.v_stride_token, params.v_stride_head = v_strides
         params.num_pages = num_pages
+        params.q_tokens = q.shape[0]
         stream = current_stream(cuda_index(self._device))
         plan.module.check(plan.module.fns["prefill_run"](ctypes.byref(params), stream), "prefill run")
         if params.debug_sync and self._image.read_slot(PLAN_HEADER.index("error")) & PLAN_ERROR_BAD_PAGE:
-            raise RuntimeError(f"{plan.module.spec.uri}: fa2::prefill_kernel read a page id outside [0, {num_pages}) "
+            raise RuntimeError(f"{plan.module.spec.uri}: {plan.module.spec.backend.value}::prefill_kernel read a page id outside [0, {num_pages}) "
                                "from paged_kv_indices; the affected outputs are NaN")
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)

@@ -1,8 +1,6 @@
 """FA3 fp8 (e4m3 or e5m2 q, k, v; bf16 o) prefill on the GPU against attnforge.reference fed the dequantized
 inputs (fp8 value * scale, fp32): what is left is the e4m3 rounding of P, the fp8 wgmma's
 reduced-precision accumulation and the bf16 output.
-
-Not yet run on a GPU: the bounds below are first guesses, to be set from the printed statistics.
 """
 
 from __future__ import annotations
@@ -146,9 +144,13 @@ def test_fa3_e5m2_matches_dequantized_reference(head_dim, layout, capsys):
 
 
 def check_against_reference(head_dim: int, kv_len: int, page_size: int | None, capsys,
-                            scales: dict = FLOAT_SCALES, dtype: torch.dtype = E4M3) -> None:
+                            scales: dict = FLOAT_SCALES, dtype: torch.dtype = E4M3,
+                            lens: tuple[list[int], list[int]] | None = None) -> None:
+    """A causal batch, by default a decode row, a short and a long prefill over kv_len keys each;
+    `lens` (qo_lens, kv_lens) replaces it."""
     gen = torch.Generator(device=DEVICE).manual_seed(kv_len + head_dim)
-    qo_lens, kv_lens, heads = [1, 77, 700], [kv_len] * 3, (8, 2)
+    qo_lens, kv_lens = lens or ([1, 77, 700], [kv_len] * 3)
+    heads = (8, 2)
     q = quantized((sum(qo_lens), heads[0], head_dim), scales["q_scale"], gen, dtype)
     k = quantized((sum(kv_lens), heads[1], head_dim), scales["k_scale"], gen, dtype)
     v = quantized((sum(kv_lens), heads[1], head_dim), scales["v_scale"], gen, dtype)
@@ -166,6 +168,17 @@ def check_against_reference(head_dim: int, kv_len: int, page_size: int | None, c
     assert rel_l2 <= REL_L2_TOL
     assert max_abs <= MAX_ABS_TOL * (v.float() * broadcast(scales["v_scale"])).abs().max().item()
     torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "page16"])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fa3_fp8_persistent_ctas_match_dequantized_reference(head_dim, layout, capsys):
+    """60 requests of up to 1500 keys: several jobs per persistent CTA, so the producer's V staging
+    buffers and every stage's phase carry over from job to job."""
+    rng = torch.Generator().manual_seed(head_dim)
+    kv_lens = torch.randint(1, 1500, (60,), generator=rng).tolist()
+    qo_lens = [min(kv, int(q)) for kv, q in zip(kv_lens, torch.randint(1, 500, (60,), generator=rng))]
+    check_against_reference(head_dim, 0, LAYOUTS[layout], capsys, lens=(qo_lens, kv_lens))
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["float_scales", "per_head_scales"])

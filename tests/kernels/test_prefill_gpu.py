@@ -397,6 +397,54 @@ def test_fa3_deepseek_head_dims_match_reference(page_size):
     assert_matches_reference(case, out, lse, *run_reference(case, batch))
 
 
+def many_jobs_case(module: Module, causal: bool, seed: int) -> Case:
+    """Far more (work item, kv head) jobs than the H200's 132 SMs, so each persistent fa3 CTA runs
+    a dozen or more: lengths from one token to several tiles, requests without queries (no job of
+    theirs has kv tiles), pages of 16 rows (boxed) with gathered last tiles."""
+    rng = torch.Generator().manual_seed(seed)
+    kv_lens = torch.randint(1, 1500, (40,), generator=rng).tolist()
+    qo_lens = [min(kv, int(q)) for kv, q in zip(kv_lens, torch.randint(1, 400, (40,), generator=rng))]
+    if not causal:
+        qo_lens[3] = qo_lens[17] = 0
+    return Case(module, qo_lens=qo_lens, kv_lens=kv_lens, causal=causal, paged=True, layout="NHD", page_size=16,
+                num_kv_heads=4, group=4, seed=seed)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("module", FA3[:3], ids=["hd128", "hd64-fp16", "hd256"])
+def test_fa3_persistent_ctas_match_reference(module, causal):
+    """Each persistent CTA runs one job after another: its K/V stages, phases and Q buffer carry
+    over from job to job, and the producer loads the next job while the consumers store this one.
+    Also few q tiles split into 64-token chunks (split-KV): over a thousand short jobs, and under
+    causal many without kv tiles (chunks past a tile's diagonal) among the others."""
+    many = many_jobs_case(module, causal, seed=11 + causal)
+    split = Case(module, qo_lens=[300, 1, 7], kv_lens=[1400, 900, 1100], causal=causal, paged=True, layout="NHD",
+                 page_size=16, num_kv_heads=4, group=4, seed=3)
+    for case, extra in ((many, {}), (split, {"fixed_split_size": 4})):
+        batch = build(case)
+        out, lse = run_ours(case, batch, **extra)
+        assert_matches_reference(case, out, lse, *run_reference(case, batch))
+
+
+def test_fa3_bad_page_id_gives_nan_for_that_request_only():
+    """A page id out of range in one request: every job of that request (they run among the other
+    requests' jobs on the persistent CTAs) gives NaN, and no other job does."""
+    case = many_jobs_case(FA3[0], causal=False, seed=5)
+    batch = build(case)
+    victim = 6
+    page_ids = batch.page_ids.clone()
+    page_ids[int(batch.page_indptr[victim])] = batch.cache[0].shape[0] + 7
+    out, lse = run_ours(case, Batch(**{**batch.__dict__, "page_ids": page_ids}))
+    torch.cuda.synchronize()  # a fault would surface here, and poison every later test
+    rows = batch.qo_indptr.tolist()
+    victim_rows = slice(rows[victim], rows[victim + 1])
+    assert out[victim_rows].isnan().all() and lse[victim_rows].isnan().all(), "the bad request's rows must be NaN"
+    others = torch.ones(out.shape[0], dtype=torch.bool, device=DEVICE)
+    others[victim_rows] = False
+    o_ref, lse_ref = run_reference(case, batch)
+    assert_matches_reference(case, out[others], lse[others], o_ref[others], lse_ref[others])
+
+
 def test_causal_rows_before_their_keys_see_nothing():
     """qo_len > kv_len with causal: the first rows see no key (o = 0, lse = -inf), as FlashInfer."""
     case = Case(Module(), qo_lens=[40], kv_lens=[25], causal=True, paged=False, layout="NHD", page_size=1,
@@ -458,7 +506,6 @@ def test_cuda_graph_replays_after_replan(case, data):
     """Capture run() once (ragged), then re-plan with other lengths (same batch size, no more
     query tokens) and replay: plan() may only change buffer contents, never what was captured."""
     case.paged, case.layout = False, "NHD"
-    batch_size = len(case.qo_lens)
     qo2 = [data.draw(st.integers(1 if case.causal else 0, q), label=f"qo_len {i} of the second plan")
            for i, q in enumerate(case.qo_lens)]
     kv2 = [data.draw(st.integers(max(q, 1), kv), label=f"kv_len {i} of the second plan")

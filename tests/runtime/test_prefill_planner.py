@@ -75,7 +75,7 @@ def batches(draw, max_batch: int = 16, graph: bool | None = None):
         fixed_split_tokens=draw(st.integers(16, 2048)) if fixed is None else 0,
         disable_split_kv=draw(st.booleans()),
         cuda_graph=cuda_graph,
-        fixed_cta_tile_q=draw(st.sampled_from([0, 0, 0, 128])),
+        fixed_cta_tile_q=draw(st.sampled_from([0, 0, 0, 128, 192])),
         row_capacity=qo_indptr[-1] + (draw(st.integers(0, 64)) if cuda_graph else 0),
     )
 

@@ -1,7 +1,7 @@
-// Role: FA3 batch prefill for Hopper (sm_90a): a producer warpgroup fills a 2-3 stage shared-memory
-//   ring with K/V tiles (TMA where a tile lies inside the request and its pages allow, else a
-//   cp.async gather), two consumer warpgroups run wgmma (QK^T SS, PV RS) and the online softmax in
-//   registers.
+// Role: FA3 batch prefill for Hopper (sm_90a), persistent: a producer warpgroup fills a 2-3 stage
+//   shared-memory ring with K/V tiles (TMA where a tile lies inside the request and its pages allow,
+//   else a cp.async gather), two or three consumer warpgroups run wgmma (QK^T SS, PV RS) and the
+//   online softmax in registers.
 //   FP8 (e4m3 or e5m2 q, k, v; 16-bit o): the fp8 wgmma reads only K-major shared operands, so V
 //   is stored transposed (kv contiguous): boxed V tiles land by TMA as rows in staging buffers
 //   (several, so later tiles' rows land during this tile's transpose) and the producer transposes
@@ -14,14 +14,20 @@
 //   output's normalization.
 //
 // Contract (/work/prefill-contract.md), the same plan image and params as fa2/prefill.cuh:
-//   grid = (work_capacity, num_kv_heads); block = 384 threads (warpgroup 0 produces, 1 and 2
-//   consume). A CTA takes one planned work item (request, q tile, kv token range [begin, end)) for
-//   one kv head. Its kBlockM = 128 rows are packed (token, head-in-group) rows: row p -> token
+//   Persistent: grid = min(work_capacity x num_kv_heads, SMs x CTAs per SM); CTA b runs jobs b,
+//   b + grid, ... of the plan's work items x kv heads (item-major: the plan orders items longest
+//   first). block = 128 threads per warpgroup: warpgroup 0 produces, the next 2 (hd 64, 16-bit: 3)
+//   consume. A job is one work item (request, q tile, kv token range [begin, end)) for one kv
+//   head. Its kBlockM = 64 x consumers rows are packed (token, head-in-group) rows: row p -> token
 //   p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
-//   Q: the producer copies the tile once (cp.async; packed GQA rows are no TMA box) and arrives
-//   on q_full. K/V: for each kBlockN-token tile the producer waits for the stage's `empty`
-//   mbarrier, then fills the stage and the `full` mbarrier counts the bytes, so consumers wait for
-//   the data itself, not for the producer. Tiles that lie inside [begin, end) come by TMA, one
+//   Q: the producer loads the tile once the previous job's last Q K^T is done (q_empty): by TMA,
+//   a box of whole tokens' group heads per 128-byte column block, when the group divides the tile
+//   and q's strides allow, else by cp.async; then q_full. The producer thus runs into the next job
+//   while the consumers finish this one; each job's page-id verdict reaches the consumers through
+//   one of two item slots (item_done). K/V: for each kBlockN-token tile the producer waits for the
+//   stage's `empty` mbarrier, then fills the stage and the `full` mbarrier counts the bytes, so
+//   consumers wait for the data itself, not for the producer; stages and phases run on across a
+//   CTA's jobs (PipelineCount). Tiles that lie inside [begin, end) come by TMA, one
 //   box per 128-byte column block, the boxes spread over the lanes of the four producer warps:
 //   ragged tiles whole, paged ones a page per box when the page size is a multiple of 8 rows and
 //   the tile is whole pages (or lies in one page). The rest, always including the tile holding
@@ -34,12 +40,14 @@
 //   diagonal are never loaded; only tiles that straddle a boundary are masked per element.
 //   Output: o (+ lse, base 2) or, when work_partial >= 0, fp32 partial rows at slot
 //   work_partial + token * num_chunks[request]. A row that sees no key: o = 0, lse = -inf. A page
-//   id outside [0, num_pages) is never read (page 0 is), the CTA's rows come out NaN and the plan's
+//   id outside [0, num_pages) is never read (page 0 is), the job's rows come out NaN and the plan's
 //   error word gets kPlanErrorBadPage.
 //
-// Must not: decide scheduling (the plan did) or run on anything but sm_90a (wgmma, setmaxnreg).
+// Must not: decide the work items or their order (the plan did) or run on anything but sm_90a
+//   (wgmma, setmaxnreg).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -124,7 +132,10 @@ struct PrefillTraits {
   // bits suit weights in [0, 256]; the wgmma takes e4m3 x e5m2).
   using ElementP = std::conditional_t<kFp8, cutlass::float_e4m3_t, Element>;
 
-  static constexpr int kBlockM = 128;  // 2 consumer warpgroups x the 64 rows of one wgmma
+  // Consumer warpgroups, each owning the 64 rows of one wgmma. hd 64 takes three: its GEMMs are
+  // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
+  static constexpr int kConsumerWarpgroups = !kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64 ? 3 : 2;
+  static constexpr int kBlockM = 64 * kConsumerWarpgroups;
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
   // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
   // tile's kv rows must fill a 128-byte line, and (256, 256) then fits two stages and the staging.
@@ -146,13 +157,16 @@ struct PrefillTraits {
       kQBytes + 3 * kStageBytes + kStagingBytes + kTableBytes + 2048 <= 227 * 1024 ? 3 : 2;
   static_assert(!kFp8 || kVStaging >= 2, "fa3 fp8: the next tile's V rows need a second staging buffer");
   static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerThreads = 256;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // setmaxnreg moves registers within the launch allocation (168 x 384): the producer's release,
-  // 128 x (168 - 40), must cover the consumers' growth, 256 x (232 - 168), or their
-  // setmaxnreg.inc waits forever (48 for the producer hangs).
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // setmaxnreg moves registers within the launch allocation (65536 / kThreads each, rounded down to
+  // 8): the producer's release must cover the consumers' growth, or their setmaxnreg.inc waits
+  // forever. Two consumers: 128 x (168 - 40) >= 256 x (232 - 168) (48 for the producer hangs);
+  // three: 128 x (128 - 32) = 384 x (160 - 128).
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 232 : 160;
+  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
+                "fa3 prefill: setmaxnreg asks for more registers than the launch holds");
   static constexpr int kCellElements = 16 / kElementBytes;  // elements per 16-byte cell
   static constexpr int kCellsQK = kHeadDimQK / kCellElements;  // cells per Q/K row
   static constexpr int kCellsVO = kHeadDimVO / kCellElements;
@@ -187,16 +201,17 @@ struct PrefillTraits {
   // 2^(8 + 0.8) < 448, its largest finite value; a 16-bit P 2^8.
   static constexpr float kMaxLag = kFp8 ? 0.8f : 8.f;
 
-  // One 64-row wgmma per consumer warpgroup, the two stacked along M.
+  // One 64-row wgmma per consumer warpgroup, stacked along M.
+  using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
   using TiledMmaQK = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDimQK>>>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+      WarpgroupsAlongM{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<ElementP, Element, float,
                                  cute::Shape<cute::_64, cute::Int<kHeadDimVO>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::K, kMajorV>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+      WarpgroupsAlongM{}));
 
   struct SharedStorage {
     alignas(1024) Element q[kBlockM * kHeadDimQK];  // swizzle atoms are 1024 bytes
@@ -207,7 +222,11 @@ struct PrefillTraits {
     // One slot serves every gathered tile: it is only read while the tile's copies are issued, and
     // the producer warpgroup's barrier that ends them precedes the next fill.
     PageRow page_rows[kPagedKV ? kBlockN : 0];
-    uint64_t q_full;
+    // Work items alternate between two slots: the producer's verdict on an item's page ids, and
+    // the barrier that says it is written (a CTA runs its items one after another).
+    int32_t item_bad_page[2];
+    uint64_t item_done[2];
+    uint64_t q_full, q_empty;
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
     uint64_t v_rows_full[kVStaging];
   };
@@ -221,11 +240,12 @@ struct PrefillTraits {
 // What the kernel receives: the module's params and the TMA descriptors of K and V (encoded per
 // launch, since they hold the tensors' addresses), viewed as (dim, row in page, head, page); a
 // ragged tensor is one page. box_rows: rows per box (0: no tile is boxed, all are gathered).
+// q_rows: Q as (dim, head, token), whose box is a tile's packed rows (q_boxed 0: Q is gathered).
 template <typename T>
 struct KernelArgs {
   typename T::Params p;
-  CUtensorMap k_pages, v_pages;
-  int box_rows;
+  CUtensorMap k_pages, v_pages, q_rows;
+  int box_rows, q_boxed;
 };
 
 // Named barrier ids (0 is __syncthreads).
@@ -268,6 +288,17 @@ __device__ __forceinline__ int num_kv_tiles(const WorkTile& w, int block_n) {
   return w.end > w.begin ? (w.end - w.begin + block_n - 1) / block_n : 0;
 }
 
+// Where a CTA's pipelines stand, counted over its work items so far, alike in both roles: kv
+// tiles (tile n of the current item has stage (tiles + n) % kStages), fp8 V tiles transposed
+// (the producer's staging buffers), and items with kv tiles (Q's barrier phase, the item slot).
+template <int kStages>
+struct PipelineCount {
+  int tiles = 0, staged = 0, items = 0;
+
+  __device__ __forceinline__ int stage(int n) const { return (tiles + n) % kStages; }
+  __device__ __forceinline__ uint32_t phase(int n) const { return uint32_t((tiles + n) / kStages) & 1; }
+};
+
 // Byte offset of element `coord` in a GMMA smem layout: the linear offset, then the 128B swizzle
 // (which acts on byte addresses; the tiles sit 1024-byte aligned).
 template <typename Layout, typename Element, typename... Coord>
@@ -283,12 +314,28 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
 // ---------------------------------------------------------------------------------------------
 // Producer warpgroup
 
-// Q tile: kBlockM packed rows, zeros past the request.
+// Q tile: kBlockM packed rows, then q_full. Boxed: thread 0 loads one box per 128-byte column
+// block (rows past the request hold the next request's queries, or zeros past q: no stored row
+// reads them). Gathered (a group that does not divide the tile, or strides TMA cannot take): every
+// producer thread's cp.async, zeros past the request.
 template <typename T>
-__device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, const typename T::Params& p,
+__device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                             const WorkTile& w, const common::FastDivmod& group, int kv_head, int tid) {
   using DTypeQ = typename T::DTypeQ;
+  const auto& p = args.p;
   auto* base = reinterpret_cast<uint8_t*>(smem.q);
+  if (args.q_boxed) {
+    if (tid != 0) return;
+    const auto evict_first = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);  // read once
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, T::kQBytes);
+#pragma unroll
+    for (int col = 0; col < T::kHeadDimQK; col += T::kLineElements) {
+      cute::SM90_TMA_LOAD_3D::copy(&args.q_rows, &smem.q_full, evict_first,
+                                   base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(0, col), col,
+                                   kv_head * p.group_size, w.qo_begin + w.first_token);
+    }
+    return;
+  }
   for (int idx = tid; idx < T::kBlockM * T::kCellsQK; idx += T::kProducerThreads) {
     const int row = idx / T::kCellsQK, cell = idx % T::kCellsQK;
     const bool valid = row < w.rows;
@@ -302,6 +349,7 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
     common::cp_async_16(base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(row, cell * T::kCellElements),
                         src, valid);
   }
+  cp_async_arrive_noinc(&smem.q_full);
 }
 
 // A paged token's (page, row in page). A page id outside [0, num_pages) reads page 0 instead and
@@ -561,10 +609,32 @@ __device__ __forceinline__ void arrive_gathered(uint64_t* full, int producer_thr
   if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
 }
 
+// Whether any producer thread's `pred` holds (a barrier of the producer warpgroup).
+__device__ __forceinline__ bool producer_any(bool pred, int producer_threads) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(uint32_t(pred)), "n"(kBarrierProducer), "r"(producer_threads));
+  return any != 0;
+}
+
+// The producer's last word on an item (after all its tiles): whether some page id was bad, into
+// the item's slot, and the slot's barrier; the plan's error word too.
 template <typename T>
-__device__ __forceinline__ void produce(typename T::SharedStorage& smem, const KernelArgs<T>& args, const int32_t* plan,
+__device__ __forceinline__ void report_item(typename T::SharedStorage& smem, int32_t* plan, int item, bool bad_page,
+                                            int tid) {
+  bad_page = producer_any(bad_page, T::kProducerThreads);
+  if (tid != 0) return;
+  smem.item_bad_page[item % 2] = bad_page;
+  cutlass::arch::ClusterBarrier::arrive(&smem.item_done[item % 2]);
+  if (bad_page) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
+}
+
+template <typename T>
+__device__ __forceinline__ void produce(typename T::SharedStorage& smem, const KernelArgs<T>& args, int32_t* plan,
                                         const WorkTile& w, const common::FastDivmod& group, int kv_head,
-                                        bool& bad_page) {
+                                        PipelineCount<T::kStages>& count) {
   using DTypeKV = typename T::DTypeKV;
   using Barrier = cutlass::arch::ClusterBarrier;
   const auto& p = args.p;
@@ -572,8 +642,9 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
   if (num_tiles == 0) return;  // consumers store zeros without waiting for anything
 
-  load_q_tile<T>(smem, p, w, group, kv_head, tid);
-  cp_async_arrive_noinc(&smem.q_full);
+  Barrier::wait(&smem.q_empty, (count.items & 1) ^ 1);  // the previous item's last Q K^T is done
+  load_q_tile<T>(smem, args, w, group, kv_head, tid);
+  bool bad_page = false;
 
   const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
   const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.v_stride_head;
@@ -583,12 +654,11 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
   auto* k_smem = reinterpret_cast<uint8_t*>(smem.k);
   auto* v_smem = reinterpret_cast<uint8_t*>(smem.v);
 
-  // fp8: V tiles transposed so far (the next one's buffer and phase: staged % kVStaging and
-  // (staged / kVStaging) & 1), and the first tile whose V rows are not yet requested.
-  int staged = 0, unrequested = 0;
+  // fp8: the first tile whose V rows are not yet requested.
+  int unrequested = 0;
   for (int n = 0; n < num_tiles; ++n) {
-    const int stage = n % T::kStages;
-    const uint32_t free_phase = ((n / T::kStages) & 1) ^ 1;  // a fresh barrier counts as released
+    const int stage = count.stage(n);
+    const uint32_t free_phase = count.phase(n) ^ 1;  // a fresh barrier counts as released
     const int first = w.begin + n * T::kBlockN;
     if (tile_is_boxed<T>(args, w, first)) {
       if constexpr (T::kFp8) {
@@ -605,17 +675,17 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
           const TileBoxes v_boxes =
               ahead == 0 ? k_boxes
                          : tile_boxes<T>(args, page_ids, page_size, kv_token_base, first + ahead * T::kBlockN, bad_page);
-          box_v_rows<T>(smem, args, v_boxes, (staged + ahead) % T::kVStaging, kv_head);
+          box_v_rows<T>(smem, args, v_boxes, (count.staged + ahead) % T::kVStaging, kv_head);
           ++unrequested;
         }
         load_kv_tile_tma<T>(smem, args, k_boxes, stage, free_phase, kv_head);
         __syncwarp();  // lanes without boxes left early; ldmatrix and bar.sync below need the whole warp
-        const int buffer = staged % T::kVStaging;
-        cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (staged / T::kVStaging) & 1);
+        const int buffer = count.staged % T::kVStaging;
+        cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (count.staged / T::kVStaging) & 1);
         Barrier::wait(&smem.v_empty[stage], free_phase);
         transpose_v_tile<T>(smem, buffer, stage, tid);
         arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
-        ++staged;
+        ++count.staged;
       } else {
         load_kv_tile_tma<T>(smem, args, tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page),
                             stage, free_phase, kv_head);
@@ -657,7 +727,8 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
       arrive_gathered(&smem.v_full[stage], T::kProducerThreads, tid);
     }
   }
-  common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
+  count.tiles += num_tiles;
+  report_item<T>(smem, plan, count.items++, bad_page, tid);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -768,15 +839,25 @@ __device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag)
   }
 }
 
-// Pingpong: the two consumer warpgroups take turns issuing their wgmma batches, so one's GEMMs
-// run while the other does its softmax. Warpgroup w waits on barrier kBarrierScheduler + w; the
-// other warpgroup's issue arrives on it.
-constexpr int kBarrierScheduler = 2;  // ids 2 and 3
+// Pingpong: the consumer warpgroups take turns, in a ring, issuing their wgmma batches, so one's
+// GEMMs run while the others do their softmax. Warpgroup w waits on barrier kBarrierScheduler + w;
+// the issue of the warpgroup before it arrives on it. The last warpgroup opens each item's ring
+// (so warpgroup 0 issues first) and skips its last pass, which balances every barrier per item.
+constexpr int kBarrierScheduler = 2;  // ids 2 .. 1 + warpgroups
 __device__ __forceinline__ void scheduler_wait(int wg) {
   cutlass::arch::NamedBarrier::sync(256, kBarrierScheduler + wg);
 }
+template <int kWarpgroups>
 __device__ __forceinline__ void scheduler_pass(int wg) {
-  cutlass::arch::NamedBarrier::arrive(256, kBarrierScheduler + (1 - wg));
+  cutlass::arch::NamedBarrier::arrive(256, kBarrierScheduler + (wg + 1) % kWarpgroups);
+}
+template <int kWarpgroups>
+__device__ __forceinline__ void scheduler_open(int wg) {
+  if (wg == kWarpgroups - 1) scheduler_pass<kWarpgroups>(wg);
+}
+template <int kWarpgroups>
+__device__ __forceinline__ void scheduler_close(int wg) {
+  if (wg != kWarpgroups - 1) scheduler_pass<kWarpgroups>(wg);
 }
 
 // fp8 per-head scales (float32; stride 0: one value for every head); none given reads as 1.
@@ -853,38 +934,42 @@ __device__ __forceinline__ void transform_scores(const typename T::Params& p, co
 // The consumer loop of `consume` with nothing but its barrier and pingpong traffic, in the same
 // order, for a warpgroup with no rows to compute.
 template <typename T>
-__device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem, int num_tiles, int wg) {
+__device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem, const PipelineCount<T::kStages>& count,
+                                                int num_tiles, int wg) {
   using Barrier = cutlass::arch::ClusterBarrier;
-  auto phase = [](int n) { return uint32_t((n / T::kStages) & 1); };
-  if (wg == 1) scheduler_pass(wg);
-  Barrier::wait(&smem.q_full, 0);
-  Barrier::wait(&smem.k_full[0], 0);
+  constexpr int kWarpgroups = T::kConsumerWarpgroups;
+  scheduler_open<kWarpgroups>(wg);
+  Barrier::wait(&smem.q_full, count.items & 1);
+  Barrier::arrive(&smem.q_empty);
+  Barrier::wait(&smem.k_full[count.stage(0)], count.phase(0));
   scheduler_wait(wg);
-  scheduler_pass(wg);
-  Barrier::arrive(&smem.k_empty[0]);
+  scheduler_pass<kWarpgroups>(wg);
+  Barrier::arrive(&smem.k_empty[count.stage(0)]);
   for (int n = 1; n < num_tiles; ++n) {
-    const int stage = n % T::kStages, prev = (n - 1) % T::kStages;
-    Barrier::wait(&smem.k_full[stage], phase(n));
-    Barrier::wait(&smem.v_full[prev], phase(n - 1));
+    const int stage = count.stage(n), prev = count.stage(n - 1);
+    Barrier::wait(&smem.k_full[stage], count.phase(n));
+    Barrier::wait(&smem.v_full[prev], count.phase(n - 1));
     scheduler_wait(wg);
-    scheduler_pass(wg);
+    scheduler_pass<kWarpgroups>(wg);
     Barrier::arrive(&smem.k_empty[stage]);
     Barrier::arrive(&smem.v_empty[prev]);
   }
-  const int last = (num_tiles - 1) % T::kStages;
-  Barrier::wait(&smem.v_full[last], phase(num_tiles - 1));
+  const int last = count.stage(num_tiles - 1);
+  Barrier::wait(&smem.v_full[last], count.phase(num_tiles - 1));
   scheduler_wait(wg);
-  if (wg == 0) scheduler_pass(wg);
+  scheduler_close<kWarpgroups>(wg);
   Barrier::arrive(&smem.v_empty[last]);
 }
 
 template <typename T>
 __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const typename T::Params& p, const int32_t* plan,
-                                        const WorkTile& w, const common::FastDivmod& group, int kv_head) {
+                                        const WorkTile& w, const common::FastDivmod& group, int kv_head,
+                                        PipelineCount<T::kStages>& count) {
   using namespace cute;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
-  const int ctid = threadIdx.x - T::kProducerThreads;  // 0..255 across both consumer warpgroups
+  constexpr int kWarpgroups = T::kConsumerWarpgroups;
+  const int ctid = threadIdx.x - T::kProducerThreads;  // across all consumer warpgroups
 
   typename T::TiledMmaQK mma_qk;
   typename T::TiledMmaPV mma_pv;
@@ -958,45 +1043,52 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
 
   // Software pipeline (FA3 intra-warpgroup overlap): iteration n issues S_n = Q K_n^T and
   // O += P_{n-1} V_{n-1} together, runs the softmax of S_n while the P.V wgmma is in flight, and
-  // only then rescales O. Stage of tile n: n % 2; its barriers' phase: (n / 2) & 1.
+  // only then rescales O. Q is released once the item's last S is computed, so the producer can
+  // load the next item's while this one finishes.
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
+  if (num_tiles == 0) {  // the producer skipped the item: nothing to wait for
+    store_rows<T>(p, plan, w, group, kv_head, false, m, d, o, o_coord);
+    return;
+  }
   // A warpgroup whose 64 rows all lie past the tile's rows (decode, a request's last q tile) runs
   // no GEMM: it only keeps the barrier and pingpong counts (a branch around the wgmma issue
   // itself would make ptxas serialize every wgmma).
-  if (num_tiles > 0 && wg * (T::kBlockM / 2) >= w.rows) {
-    follow_pipeline<T>(smem, num_tiles, wg);
-  } else if (num_tiles > 0) {
+  if (wg * 64 >= w.rows) {
+    follow_pipeline<T>(smem, count, num_tiles, wg);
+  } else {
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     Tensor tOrP = make_tensor<typename T::ElementP>(typename T::FragmentPShape{});
     float alpha[2];
-    if (wg == 1) scheduler_pass(wg);  // warpgroup 0 issues first
-    Barrier::wait(&smem.q_full, 0);
-    wait_full(&smem.k_full[0], 0);
+    scheduler_open<kWarpgroups>(wg);  // warpgroup 0 issues first
+    Barrier::wait(&smem.q_full, count.items & 1);
+    wait_full(&smem.k_full[count.stage(0)], count.phase(0));
     scheduler_wait(wg);
-    issue_qk(tSrS, 0);
-    scheduler_pass(wg);
+    issue_qk(tSrS, count.stage(0));
+    scheduler_pass<kWarpgroups>(wg);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
-    Barrier::arrive(&smem.k_empty[0]);
+    Barrier::arrive(&smem.k_empty[count.stage(0)]);
+    if (num_tiles == 1) Barrier::arrive(&smem.q_empty);
     softmax_tile(tSrS, 0, alpha);  // o is still zero: no rescale
     convert_p<T>(tSrS, tOrP);
-    if (num_tiles > 1) wait_full(&smem.k_full[1 % T::kStages], (1 / T::kStages) & 1);
+    if (num_tiles > 1) wait_full(&smem.k_full[count.stage(1)], count.phase(1));
 
     for (int n = 1; n < num_tiles; ++n) {
-      const int stage = n % T::kStages, prev = (n - 1) % T::kStages;
-      wait_full(&smem.v_full[prev], ((n - 1) / T::kStages) & 1);
+      const int stage = count.stage(n), prev = count.stage(n - 1);
+      wait_full(&smem.v_full[prev], count.phase(n - 1));
       scheduler_wait(wg);
       issue_qk(tSrS, stage);
       issue_pv(tOrP, prev);
-      scheduler_pass(wg);
+      scheduler_pass<kWarpgroups>(wg);
       warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
       warpgroup_fence_operand(tSrS);
       Barrier::arrive(&smem.k_empty[stage]);
+      if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty);
       softmax_tile(tSrS, n, alpha);
       // The next K tile's wait sits between the softmax and the P.V wait on purpose: ptxas keeps
       // a wgmma wait inside its basic block but hoists it to the block's top, where it would
       // serialize the softmax behind the P.V wgmma; the wait loop is a block boundary.
-      if (n + 1 < num_tiles) wait_full(&smem.k_full[(n + 1) % T::kStages], ((n + 1) / T::kStages) & 1);
+      if (n + 1 < num_tiles) wait_full(&smem.k_full[count.stage(n + 1)], count.phase(n + 1));
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       Barrier::arrive(&smem.v_empty[prev]);
@@ -1005,11 +1097,11 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
       convert_p<T>(tSrS, tOrP);
     }
 
-    const int last = (num_tiles - 1) % T::kStages;
-    wait_full(&smem.v_full[last], ((num_tiles - 1) / T::kStages) & 1);
+    const int last = count.stage(num_tiles - 1);
+    wait_full(&smem.v_full[last], count.phase(num_tiles - 1));
     scheduler_wait(wg);
     issue_pv(tOrP, last);
-    if (wg == 0) scheduler_pass(wg);  // warpgroup 1's opening pass already balanced the count
+    scheduler_close<kWarpgroups>(wg);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     Barrier::arrive(&smem.v_empty[last]);
@@ -1017,10 +1109,16 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) d[r] = common::lane_group_sum<4>(d[r]);
-  const bool bad_page = __syncthreads_or(0);  // pairs with the producer's: it has seen every page id
-  store_rows<T>(p, plan, w, group, kv_head, bad_page, m, d, o, o_coord);
+  const int item = count.items++;
+  count.tiles += num_tiles;
+  Barrier::wait(&smem.item_done[item % 2], (item / 2) & 1);  // the producer has seen every page id
+  store_rows<T>(p, plan, w, group, kv_head, smem.item_bad_page[item % 2] != 0, m, d, o, o_coord);
 }
 
+// Persistent: CTA b runs jobs b, b + gridDim.x, ... of the plan's work items x kv heads, item-major,
+// so the longest items (the plan orders them first) start first on every SM. Within a CTA the
+// producer runs ahead into the next item (its Q once the last Q K^T of this one is done, its K/V
+// tiles as stages free up) while the consumers finish and store this one.
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_constant__ KernelArgs<T> args) {
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -1028,17 +1126,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   int32_t* plan = static_cast<int32_t*>(p.plan);
-
-  const int work = blockIdx.x;
-  if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
-  const int kv_head = blockIdx.y;
+  const int num_jobs = plan[common::kPlanNumWork] * p.num_kv_heads;
+  if (int(blockIdx.x) >= num_jobs) return;  // more CTAs than jobs (a static CUDA-graph grid)
 
   if (threadIdx.x == 0) {
     if (args.box_rows > 0) {
       cute::prefetch_tma_descriptor(&args.k_pages);
       cute::prefetch_tma_descriptor(&args.v_pages);
     }
-    Barrier::init(&smem.q_full, T::kProducerThreads);
+    if (args.q_boxed) cute::prefetch_tma_descriptor(&args.q_rows);
+    Barrier::init(&smem.q_full, args.q_boxed ? 1 : T::kProducerThreads);  // thread 0's, or every gathering thread's
+    Barrier::init(&smem.q_empty, T::kConsumerThreads);
 #pragma unroll
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&smem.k_full[s], 1);  // a TMA thread's or thread 0's for a gathered tile
@@ -1048,21 +1146,26 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
     }
 #pragma unroll
     for (int b = 0; b < T::kVStaging; ++b) Barrier::init(&smem.v_rows_full[b], 1);  // thread 0's
+    for (int i = 0; i < 2; ++i) Barrier::init(&smem.item_done[i], 1);             // thread 0's
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
   const common::FastDivmod group(p.group_size);
-  const WorkTile w = load_work_tile<T>(p, plan, work, group);
+  PipelineCount<T::kStages> count;
   if (threadIdx.x < T::kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    bool bad_page = false;
-    produce<T>(smem, args, plan, w, group, kv_head, bad_page);
-    bad_page = __syncthreads_or(bad_page);  // pairs with the consumers'
-    if (bad_page && threadIdx.x == 0) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
+    for (int job = blockIdx.x; job < num_jobs; job += gridDim.x) {
+      const int work = job / p.num_kv_heads, kv_head = job % p.num_kv_heads;
+      produce<T>(smem, args, plan, load_work_tile<T>(p, plan, work, group), group, kv_head, count);
+    }
+    common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    consume<T>(smem, p, plan, w, group, kv_head);
+    for (int job = blockIdx.x; job < num_jobs; job += gridDim.x) {
+      const int work = job / p.num_kv_heads, kv_head = job % p.num_kv_heads;
+      consume<T>(smem, p, plan, load_work_tile<T>(p, plan, work, group), group, kv_head, count);
+    }
   }
 }
 
@@ -1094,17 +1197,20 @@ cudaError_t encode_kv_maps(KernelArgs<T>& args) {
                                         p.v_stride_token, p.v_stride_head, v_page_stride, args.box_rows);
 }
 
+// Q boxed by TMA when a tile's packed rows are whole tokens of one kv head's `group` heads (the
+// group divides the tile) and the strides and base suit TMA; else q_boxed stays 0 (gathered).
 template <typename T>
-cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
-  cudaError_t err = prefill_set_smem<T>();
-  if (err != cudaSuccess) return err;
-  KernelArgs<T> args{};
-  args.p = p;
-  err = encode_kv_maps<T>(args);
-  if (err != cudaSuccess) return err;
-  const dim3 grid(p.work_capacity, p.num_kv_heads);
-  prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+cudaError_t encode_q_map(KernelArgs<T>& args) {
+  const auto& p = args.p;
+  constexpr int kBytes = T::kElementBytes;
+  const bool aligned = reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && p.q_stride_h * kBytes % 16 == 0 &&
+                       p.q_stride_n * kBytes % 16 == 0 && p.q_stride_h > 0 && p.q_stride_n > 0;
+  if (!aligned || T::kBlockM % p.group_size != 0 || p.q_tokens < 1) return cudaSuccess;
+  const cudaError_t err = host::encode_q_map<kBytes>(&args.q_rows, p.q, T::kHeadDimQK, p.num_qo_heads, p.q_tokens,
+                                                     p.q_stride_h, p.q_stride_n, p.group_size,
+                                                     T::kBlockM / p.group_size);
+  args.q_boxed = err == cudaSuccess;
+  return cudaSuccess;  // a layout the driver refuses is gathered
 }
 
 template <typename T>
@@ -1112,6 +1218,27 @@ cudaError_t prefill_occupancy(int* ctas_per_sm) {
   const cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, prefill_kernel<T>, T::kThreads, T::kSmemBytes);
+}
+
+// One persistent CTA per SM slot, never more than the jobs the plan can hold (so a CUDA graph's
+// grid stays fixed: work_capacity is static there).
+template <typename T>
+cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
+  int ctas_per_sm = 0, device = 0, sms = 0;
+  cudaError_t err = prefill_occupancy<T>(&ctas_per_sm);
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  KernelArgs<T> args{};
+  args.p = p;
+  err = encode_kv_maps<T>(args);
+  if (err == cudaSuccess) err = encode_q_map<T>(args);
+  if (err != cudaSuccess) return err;
+  const int64_t jobs = int64_t(p.work_capacity) * p.num_kv_heads;
+  const int grid = int(std::min<int64_t>(jobs, int64_t(sms) * std::max(ctas_per_sm, 1)));
+  if (grid == 0) return cudaSuccess;
+  prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
 }
 
 }  // namespace attnforge::fa3

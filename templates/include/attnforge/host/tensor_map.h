@@ -3,7 +3,8 @@
 //   (elements; 16-byte multiples, 16-byte aligned base: run() checks both) becomes a 4-D map of
 //   (dim, row in page, head, page) whose box is (one 128-byte swizzle line: 64 or 128 elements,
 //   box_rows rows, 1 head, 1 page), 128B-swizzled exactly like CuTe's GMMA SW128 atoms tiled
-//   row-first. Rows past the map read as zeros.
+//   row-first. Rows past the map read as zeros. A query tensor becomes a 3-D map of (dim, head,
+//   token) whose box is a q tile's packed rows (its caller checks strides and alignment).
 // Must not: link libcuda (the module uses the static runtime): the driver's encoder is reached
 //   through cudaGetDriverEntryPointByVersion, looked up once per process (every run() encodes).
 #pragma once
@@ -30,25 +31,45 @@ inline TensorMapEncoder tensor_map_encoder() {
   return encoder;
 }
 
-// cudaErrorInvalidValue when the driver refuses the layout (or has no encoder).
+// A rank-kRank map of kElementBytes elements whose box's first extent is one 128-byte swizzle line;
+// cudaErrorInvalidValue when the driver refuses the layout (or has no encoder). strides: bytes of
+// dims 1.. (dim 0 is contiguous).
+template <int kElementBytes, int kRank>
+inline cudaError_t encode_lines_map(CUtensorMap* map, const void* base, const cuuint64_t (&sizes)[kRank],
+                                    const cuuint64_t (&strides)[kRank - 1], const cuuint32_t (&box)[kRank]) {
+  static_assert(kElementBytes == 1 || kElementBytes == 2, "tensor map: 8-bit or 16-bit elements");
+  constexpr auto kType = kElementBytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  cuuint32_t unit[kRank];
+  for (auto& u : unit) u = 1;
+  const TensorMapEncoder encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorInvalidValue;
+  const CUresult result = encode(
+      map, kType, kRank, const_cast<void*>(base), sizes, strides, box, unit,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 template <int kElementBytes>
 inline cudaError_t encode_pages_map(CUtensorMap* map, const void* base, int64_t dim, int64_t page_size, int64_t heads,
                                     int64_t pages, int64_t token_stride, int64_t head_stride, int64_t page_stride,
                                     int box_rows) {
-  static_assert(kElementBytes == 1 || kElementBytes == 2, "tensor map: 8-bit or 16-bit elements");
-  constexpr auto kType = kElementBytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   const cuuint64_t sizes[4] = {cuuint64_t(dim), cuuint64_t(page_size), cuuint64_t(heads), cuuint64_t(pages)};
   const cuuint64_t strides[3] = {cuuint64_t(token_stride * kElementBytes), cuuint64_t(head_stride * kElementBytes),
                                  cuuint64_t(page_stride * kElementBytes)};
   const cuuint32_t box[4] = {kTmaBoxBytes / kElementBytes, cuuint32_t(box_rows), 1, 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const TensorMapEncoder encode = tensor_map_encoder();
-  if (encode == nullptr) return cudaErrorInvalidValue;
-  const CUresult result = encode(
-      map, kType, 4, const_cast<void*>(base), sizes, strides, box, unit,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return encode_lines_map<kElementBytes, 4>(map, base, sizes, strides, box);
+}
+
+// Q [tokens, heads, dim] as (dim, head, token), boxed `group` heads x box_tokens tokens: packed
+// rows (token, head in group) in order, one 128-byte line each.
+template <int kElementBytes>
+inline cudaError_t encode_q_map(CUtensorMap* map, const void* base, int64_t dim, int64_t heads, int64_t tokens,
+                                int64_t head_stride, int64_t token_stride, int group, int box_tokens) {
+  const cuuint64_t sizes[3] = {cuuint64_t(dim), cuuint64_t(heads), cuuint64_t(tokens)};
+  const cuuint64_t strides[2] = {cuuint64_t(head_stride * kElementBytes), cuuint64_t(token_stride * kElementBytes)};
+  const cuuint32_t box[3] = {kTmaBoxBytes / kElementBytes, cuuint32_t(group), cuuint32_t(box_tokens)};
+  return encode_lines_map<kElementBytes, 3>(map, base, sizes, strides, box);
 }
 
 }  // namespace attnforge::host
