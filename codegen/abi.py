@@ -43,7 +43,7 @@ def _struct(name: str, doc: str, *rows: tuple[str, str, str]) -> Struct:
 
 
 # Slots at the head of the int32 plan image, before the per-request and per-work arrays.
-PLAN_HEADER = ("num_work", "error", "num_partials", "reserved")
+PLAN_HEADER = ("num_work", "error", "num_partials", "job_counter")
 
 # Where the per-request and per-work arrays sit in the plan image (int32 elements); the planner
 # writes them there and the kernels read them back, so both structs carry the same offsets.

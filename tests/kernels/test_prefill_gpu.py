@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import attnforge
 from attnforge import reference
+from attnforge.codegen.abi import PLAN_HEADER
 
 pytestmark = pytest.mark.gpu
 
@@ -424,6 +425,24 @@ def test_fa3_persistent_ctas_match_reference(module, causal):
         batch = build(case)
         out, lse = run_ours(case, batch, **extra)
         assert_matches_reference(case, out, lse, *run_reference(case, batch))
+
+
+def test_fa3_job_counter_is_zero_after_every_run():
+    """CTAs take jobs from a counter in the plan image; the launch leaves it at 0, so the next
+    run() (or a CUDA graph's replay) of the same plan runs every job again."""
+    case = many_jobs_case(FA3[0], causal=True, seed=2)
+    case.paged = False
+    batch = build(case)
+    o_ref, lse_ref = run_reference(case, batch)
+    wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE),
+                                                             backend="fa3")
+    wrapper.plan(batch.qo_indptr, batch.kv_indptr, case.num_qo_heads, case.num_kv_heads, 128, causal=True,
+                 q_data_type=case.module.dtype)
+    for _ in range(3):
+        out = torch.full((batch.q.shape[0], case.num_qo_heads, 128), math.nan, dtype=case.module.dtype, device=DEVICE)
+        out, lse = wrapper.run(batch.q, batch.k, batch.v, out=out, return_lse=True)
+        assert_matches_reference(case, out, lse, o_ref, lse_ref)
+        assert wrapper._image.read_slot(PLAN_HEADER.index("job_counter")) == 0
 
 
 def test_fa3_bad_page_id_gives_nan_for_that_request_only():

@@ -9,6 +9,7 @@ namespace attnforge::common {
 constexpr int kPlanNumWork = 0;      // work items this plan really launched (the grid may be padded)
 constexpr int kPlanError = 1;        // sticky error bits raised by kernels
 constexpr int kPlanNumPartials = 2;  // fp32 partial slots in use
+constexpr int kPlanJobCounter = 3;   // fa3 prefill's next-job counter: 0 between launches
 constexpr int kPlanHeaderSlots = 4;
 
 constexpr int kPlanErrorBadPage = 1;  // a page id outside [0, num_pages)

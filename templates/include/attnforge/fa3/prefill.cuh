@@ -14,12 +14,13 @@
 //   output's normalization.
 //
 // Contract (/work/prefill-contract.md), the same plan image and params as fa2/prefill.cuh:
-//   Persistent: grid = min(work_capacity x num_kv_heads, SMs x CTAs per SM); CTA b runs jobs b,
-//   b + grid, ... of the plan's work items x kv heads (item-major: the plan orders items longest
-//   first). block = 128 threads per warpgroup: warpgroup 0 produces, the next 2 (hd 64, 16-bit: 3)
-//   consume. A job is one work item (request, q tile, kv token range [begin, end)) for one kv
-//   head. Its kBlockM = 64 x consumers rows are packed (token, head-in-group) rows: row p -> token
-//   p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
+//   Persistent: grid = min(work_capacity x num_kv_heads, SMs x CTAs per SM). A job is one work
+//   item (request, q tile, kv token range [begin, end)) for one kv head, numbered kv-head-major
+//   in the plan's order (longest items first); a CTA runs job blockIdx.x, then takes the next
+//   untaken one from the plan's job counter until none is left (the counter is 0 again after each
+//   launch). block = 128 threads per warpgroup: warpgroup 0 produces, the next 2 (hd 64, 16-bit:
+//   3) consume. A job's kBlockM = 64 x consumers rows are packed (token, head-in-group) rows: row
+//   p -> token p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
 //   Q: the producer loads the tile once the previous job's last Q K^T is done (q_empty): by TMA,
 //   a box of whole tokens' group heads per 128-byte column block, when the group divides the tile
 //   and q's strides allow, else by cp.async; then q_full. The producer thus runs into the next job
@@ -226,6 +227,11 @@ struct PrefillTraits {
     // the barrier that says it is written (a CTA runs its items one after another).
     int32_t item_bad_page[2];
     uint64_t item_done[2];
+    // The CTA's jobs, as the producer takes them from the plan's counter: to its own warpgroup
+    // (alternating: a job without kv tiles passes no other producer barrier), and to the
+    // consumers through two slots.
+    int32_t producer_next_job[2], job[2];
+    uint64_t job_full[2], job_empty[2];
     uint64_t q_full, q_empty;
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
     uint64_t v_rows_full[kVStaging];
@@ -297,6 +303,7 @@ struct PipelineCount {
 
   __device__ __forceinline__ int stage(int n) const { return (tiles + n) % kStages; }
   __device__ __forceinline__ uint32_t phase(int n) const { return uint32_t((tiles + n) / kStages) & 1; }
+  __device__ __forceinline__ void advance(int num_tiles) { tiles += num_tiles; }
 };
 
 // Byte offset of element `coord` in a GMMA smem layout: the linear offset, then the 128B swizzle
@@ -727,7 +734,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
       arrive_gathered(&smem.v_full[stage], T::kProducerThreads, tid);
     }
   }
-  count.tiles += num_tiles;
+  count.advance(num_tiles);
   report_item<T>(smem, plan, count.items++, bad_page, tid);
 }
 
@@ -1110,15 +1117,52 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
 #pragma unroll
   for (int r = 0; r < 2; ++r) d[r] = common::lane_group_sum<4>(d[r]);
   const int item = count.items++;
-  count.tiles += num_tiles;
+  count.advance(num_tiles);
   Barrier::wait(&smem.item_done[item % 2], (item / 2) & 1);  // the producer has seen every page id
   store_rows<T>(p, plan, w, group, kv_head, smem.item_bad_page[item % 2] != 0, m, d, o, o_coord);
 }
 
-// Persistent: CTA b runs jobs b, b + gridDim.x, ... of the plan's work items x kv heads, item-major,
-// so the longest items (the plan orders them first) start first on every SM. Within a CTA the
-// producer runs ahead into the next item (its Q once the last Q K^T of this one is done, its K/V
-// tiles as stages free up) while the consumers finish and store this one.
+// A job: one work item for one kv head. Kv-head-major, so the CTAs running at once mostly share one
+// kv head's K/V in L2; within a head the plan's order, longest items first.
+struct Job {
+  int work, kv_head;
+};
+__device__ __forceinline__ Job job_of(int job, int num_work) { return {job % num_work, job / num_work}; }
+
+// Dynamic persistent schedule: a CTA's first job is its blockIdx.x, each next one the first not
+// yet taken (the plan's counter, counted past the first grid's), so every SM takes the next job
+// as soon as it can, longest first (the plan's order). Each job is taken once, so the counter
+// ends at num_jobs: whoever takes its last value puts it back to 0 for the next launch (a CUDA
+// graph replays it as is).
+__device__ __forceinline__ int next_job(int32_t* plan, int num_jobs) {
+  const int first_grid = min(int(gridDim.x), num_jobs);
+  const int taken = atomicAdd(&plan[common::kPlanJobCounter], 1);
+  if (taken == num_jobs - 1) atomicExch(&plan[common::kPlanJobCounter], 0);
+  return first_grid + taken;
+}
+
+// Producer thread 0 hands job number `seq` of the CTA (>= num_jobs: none left) to everyone.
+template <typename T>
+__device__ __forceinline__ void publish_job(typename T::SharedStorage& smem, int seq, int job) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  Barrier::wait(&smem.job_empty[seq % 2], ((seq / 2) & 1) ^ 1);  // a fresh barrier counts as released
+  smem.job[seq % 2] = job;
+  Barrier::arrive(&smem.job_full[seq % 2]);
+}
+
+// A consumer thread's job number `seq`, its slot released once read.
+template <typename T>
+__device__ __forceinline__ int take_job(typename T::SharedStorage& smem, int seq) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  Barrier::wait(&smem.job_full[seq % 2], (seq / 2) & 1);
+  const int job = smem.job[seq % 2];
+  Barrier::arrive(&smem.job_empty[seq % 2]);
+  return job;
+}
+
+// Persistent: one CTA per SM slot, each running jobs (next_job) until none is left. Within a CTA
+// the producer runs ahead into the next job (its Q once the last Q K^T of this one is done, its
+// K/V tiles as stages free up) while the consumers finish and store this one.
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_constant__ KernelArgs<T> args) {
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -1126,7 +1170,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   int32_t* plan = static_cast<int32_t*>(p.plan);
-  const int num_jobs = plan[common::kPlanNumWork] * p.num_kv_heads;
+  const int num_work = plan[common::kPlanNumWork], num_jobs = num_work * p.num_kv_heads;
   if (int(blockIdx.x) >= num_jobs) return;  // more CTAs than jobs (a static CUDA-graph grid)
 
   if (threadIdx.x == 0) {
@@ -1146,7 +1190,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
     }
 #pragma unroll
     for (int b = 0; b < T::kVStaging; ++b) Barrier::init(&smem.v_rows_full[b], 1);  // thread 0's
-    for (int i = 0; i < 2; ++i) Barrier::init(&smem.item_done[i], 1);             // thread 0's
+    for (int i = 0; i < 2; ++i) {
+      Barrier::init(&smem.item_done[i], 1);  // thread 0's
+      Barrier::init(&smem.job_full[i], 1);
+      Barrier::init(&smem.job_empty[i], T::kConsumerThreads);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -1155,16 +1203,25 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   PipelineCount<T::kStages> count;
   if (threadIdx.x < T::kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    for (int job = blockIdx.x; job < num_jobs; job += gridDim.x) {
-      const int work = job / p.num_kv_heads, kv_head = job % p.num_kv_heads;
-      produce<T>(smem, args, plan, load_work_tile<T>(p, plan, work, group), group, kv_head, count);
+    int job = blockIdx.x;
+    for (int seq = 0;; ++seq) {
+      if (threadIdx.x == 0) publish_job<T>(smem, seq, job);
+      if (job >= num_jobs) break;
+      const Job j = job_of(job, num_work);
+      produce<T>(smem, args, plan, load_work_tile<T>(p, plan, j.work, group), group, j.kv_head, count);
+      // Taken once this job's loads are all issued: the latest moment keeps the schedule greedy.
+      if (threadIdx.x == 0) smem.producer_next_job[seq % 2] = next_job(plan, num_jobs);
+      cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
+      job = smem.producer_next_job[seq % 2];
     }
     common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    for (int job = blockIdx.x; job < num_jobs; job += gridDim.x) {
-      const int work = job / p.num_kv_heads, kv_head = job % p.num_kv_heads;
-      consume<T>(smem, p, plan, load_work_tile<T>(p, plan, work, group), group, kv_head, count);
+    for (int seq = 0;; ++seq) {
+      const int job = take_job<T>(smem, seq);
+      if (job >= num_jobs) break;
+      const Job j = job_of(job, num_work);
+      consume<T>(smem, p, plan, load_work_tile<T>(p, plan, j.work, group), group, j.kv_head, count);
     }
   }
 }

@@ -220,7 +220,7 @@ int32_t plan_prefill(const Args& a, Info* info) {
   image[common::kPlanNumWork] = static_cast<int32_t>(num_work);
   image[common::kPlanError] = 0;
   image[common::kPlanNumPartials] = static_cast<int32_t>(slots);
-  image[common::kPlanHeaderSlots - 1] = 0;  // reserved
+  image[common::kPlanJobCounter] = 0;  // each fa3 launch leaves it 0 again
 
   info->num_work = static_cast<int32_t>(num_work);
   info->num_partials = static_cast<int32_t>(slots);
