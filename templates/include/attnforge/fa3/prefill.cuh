@@ -162,10 +162,11 @@ struct PrefillTraits {
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   // setmaxnreg moves registers within the launch allocation (65536 / kThreads each, rounded down to
   // 8): the producer's release must cover the consumers' growth, or their setmaxnreg.inc waits
-  // forever. Two consumers: 128 x (168 - 40) >= 256 x (232 - 168) (48 for the producer hangs);
-  // three: 128 x (128 - 32) = 384 x (160 - 128).
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 40 : 32;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 232 : 160;
+  // forever. Two consumers: 128 x (168 - 40) >= 256 x (232 - 168) (48 for the producer hangs), or
+  // for fp8 up to hd 128, whose producer transposes V (it spilled 92 bytes at 40), 128 x (168 - 56)
+  // = 256 x (224 - 168); three: 128 x (128 - 32) = 384 x (160 - 128).
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : kFp8 && kHeadDimVO <= 128 ? 56 : 40;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : kFp8 && kHeadDimVO <= 128 ? 224 : 232;
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
                 "fa3 prefill: setmaxnreg asks for more registers than the launch holds");
   static constexpr int kCellElements = 16 / kElementBytes;  // elements per 16-byte cell
@@ -292,6 +293,24 @@ __device__ __forceinline__ WorkTile load_work_tile(const typename T::Params& p, 
 
 __device__ __forceinline__ int num_kv_tiles(const WorkTile& w, int block_n) {
   return w.end > w.begin ? (w.end - w.begin + block_n - 1) / block_n : 0;
+}
+
+// A job: one work item for one kv head. Kv-head-major, so the CTAs running at once mostly share one
+// kv head's K/V in L2; within a head the plan's order, longest items first.
+struct Job {
+  int work, kv_head;
+};
+__device__ __forceinline__ Job job_of(int job, int num_work) { return {job % num_work, job / num_work}; }
+
+// The plan's jobs: its work items x kv heads. Read from the plan where needed rather than kept:
+// a register held across the kv loop is one the softmax lacks.
+template <typename Params>
+__device__ __forceinline__ int num_jobs_of(const Params& p) {
+  return static_cast<const int32_t*>(p.plan)[common::kPlanNumWork] * p.num_kv_heads;
+}
+template <typename Params>
+__device__ __forceinline__ Job job_of(const Params& p, int job) {
+  return job_of(job, static_cast<const int32_t*>(p.plan)[common::kPlanNumWork]);
 }
 
 // Where a CTA's pipelines stand, counted over its work items so far, alike in both roles: kv
@@ -639,13 +658,16 @@ __device__ __forceinline__ void report_item(typename T::SharedStorage& smem, int
 }
 
 template <typename T>
-__device__ __forceinline__ void produce(typename T::SharedStorage& smem, const KernelArgs<T>& args, int32_t* plan,
-                                        const WorkTile& w, const common::FastDivmod& group, int kv_head,
-                                        PipelineCount<T::kStages>& count) {
+__device__ __forceinline__ void produce(typename T::SharedStorage& smem, const KernelArgs<T>& args, int job,
+                                        const common::FastDivmod& group, PipelineCount<T::kStages>& count) {
   using DTypeKV = typename T::DTypeKV;
   using Barrier = cutlass::arch::ClusterBarrier;
   const auto& p = args.p;
+  auto* plan = static_cast<int32_t*>(p.plan);
   const int tid = threadIdx.x;
+  const Job j = job_of(p, job);
+  const int kv_head = j.kv_head;
+  const WorkTile w = load_work_tile<T>(p, plan, j.work, group);
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
   if (num_tiles == 0) return;  // consumers store zeros without waiting for anything
 
@@ -875,13 +897,13 @@ __device__ __forceinline__ float head_scale(const void* scales, int stride, int 
 // Normalize (fp8: times the kv head's v scale) and store the thread's rows: o/lse directly, or the
 // fp32 partial slot of the chunk.
 template <typename T, typename TensorO, typename TensorC>
-__device__ __forceinline__ void store_rows(const typename T::Params& p, const int32_t* plan, const WorkTile& w,
+__device__ __forceinline__ void store_rows(const typename T::Params& p, const WorkTile& w,
                                            const common::FastDivmod& group, int kv_head, bool bad_page,
                                            const float (&m)[2], const float (&d)[2], TensorO& o, TensorC& coord) {
   using namespace cute;
   using DTypeO = typename T::DTypeO;
   const int lane = threadIdx.x % 32;
-  const int num_chunks = w.slot >= 0 ? plan[p.off_num_chunks + w.request] : 0;
+  const int num_chunks = w.slot >= 0 ? static_cast<const int32_t*>(p.plan)[p.off_num_chunks + w.request] : 0;
   const float v_scale = T::kFp8 ? head_scale(p.v_scale, p.v_scale_stride, kv_head) : 1.f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -969,14 +991,16 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
 }
 
 template <typename T>
-__device__ __forceinline__ void consume(typename T::SharedStorage& smem, const typename T::Params& p, const int32_t* plan,
-                                        const WorkTile& w, const common::FastDivmod& group, int kv_head,
-                                        PipelineCount<T::kStages>& count) {
+__device__ __forceinline__ void consume(typename T::SharedStorage& smem, const typename T::Params& p, int job,
+                                        const common::FastDivmod& group, PipelineCount<T::kStages>& count) {
   using namespace cute;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kWarpgroups = T::kConsumerWarpgroups;
   const int ctid = threadIdx.x - T::kProducerThreads;  // across all consumer warpgroups
+  const auto* plan = static_cast<const int32_t*>(p.plan);
+  const int kv_head = job_of(p, job).kv_head;
+  const WorkTile w = load_work_tile<T>(p, plan, job_of(p, job).work, group);
 
   typename T::TiledMmaQK mma_qk;
   typename T::TiledMmaPV mma_pv;
@@ -1054,7 +1078,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   // load the next item's while this one finishes.
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
   if (num_tiles == 0) {  // the producer skipped the item: nothing to wait for
-    store_rows<T>(p, plan, w, group, kv_head, false, m, d, o, o_coord);
+    store_rows<T>(p, w, group, kv_head, false, m, d, o, o_coord);
     return;
   }
   // A warpgroup whose 64 rows all lie past the tile's rows (decode, a request's last q tile) runs
@@ -1119,15 +1143,11 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   const int item = count.items++;
   count.advance(num_tiles);
   Barrier::wait(&smem.item_done[item % 2], (item / 2) & 1);  // the producer has seen every page id
-  store_rows<T>(p, plan, w, group, kv_head, smem.item_bad_page[item % 2] != 0, m, d, o, o_coord);
+  // The job's rows, read again from the plan: kept, they would hold registers through the kv loop.
+  const Job stored = job_of(p, job);
+  store_rows<T>(p, load_work_tile<T>(p, plan, stored.work, group), group, stored.kv_head,
+                smem.item_bad_page[item % 2] != 0, m, d, o, o_coord);
 }
-
-// A job: one work item for one kv head. Kv-head-major, so the CTAs running at once mostly share one
-// kv head's K/V in L2; within a head the plan's order, longest items first.
-struct Job {
-  int work, kv_head;
-};
-__device__ __forceinline__ Job job_of(int job, int num_work) { return {job % num_work, job / num_work}; }
 
 // Dynamic persistent schedule: a CTA's first job is its blockIdx.x, each next one the first not
 // yet taken (the plan's counter, counted past the first grid's), so every SM takes the next job
@@ -1169,9 +1189,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   const auto& p = args.p;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  int32_t* plan = static_cast<int32_t*>(p.plan);
-  const int num_work = plan[common::kPlanNumWork], num_jobs = num_work * p.num_kv_heads;
-  if (int(blockIdx.x) >= num_jobs) return;  // more CTAs than jobs (a static CUDA-graph grid)
+  if (int(blockIdx.x) >= num_jobs_of(p)) return;  // more CTAs than jobs (a static CUDA-graph grid)
 
   if (threadIdx.x == 0) {
     if (args.box_rows > 0) {
@@ -1206,11 +1224,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
     int job = blockIdx.x;
     for (int seq = 0;; ++seq) {
       if (threadIdx.x == 0) publish_job<T>(smem, seq, job);
-      if (job >= num_jobs) break;
-      const Job j = job_of(job, num_work);
-      produce<T>(smem, args, plan, load_work_tile<T>(p, plan, j.work, group), group, j.kv_head, count);
+      if (job >= num_jobs_of(p)) break;
+      produce<T>(smem, args, job, group, count);
       // Taken once this job's loads are all issued: the latest moment keeps the schedule greedy.
-      if (threadIdx.x == 0) smem.producer_next_job[seq % 2] = next_job(plan, num_jobs);
+      if (threadIdx.x == 0) smem.producer_next_job[seq % 2] = next_job(static_cast<int32_t*>(p.plan), num_jobs_of(p));
       cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
       job = smem.producer_next_job[seq % 2];
     }
@@ -1219,9 +1236,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     for (int seq = 0;; ++seq) {
       const int job = take_job<T>(smem, seq);
-      if (job >= num_jobs) break;
-      const Job j = job_of(job, num_work);
-      consume<T>(smem, p, plan, load_work_tile<T>(p, plan, j.work, group), group, j.kv_head, count);
+      if (job >= num_jobs_of(p)) break;
+      consume<T>(smem, p, job, group, count);
     }
   }
 }
