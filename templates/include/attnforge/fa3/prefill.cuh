@@ -1006,10 +1006,8 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   typename T::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(ctid);
   auto thr_pv = mma_pv.get_thread_slice(ctid);
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k), typename T::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{});
-  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K) descriptors
   Tensor tSrK = thr_qk.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<T::kBlockM>, Int<T::kHeadDimVO>>{});
@@ -1018,7 +1016,6 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   Tensor s_coord = make_tensor(cS.data(), rowcol(cS.layout()));
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDimVO>>{}));
   Tensor o_coord = make_tensor(cO.data(), rowcol(cO.layout()));
-  static_assert(decltype(size<1>(tSrQ))::value == 1, "fa3: one 64-row wgmma per consumer warpgroup");
 
   float m[2] = {common::kNegInf, common::kNegInf};
   float d[2] = {0.f, 0.f};
@@ -1042,6 +1039,14 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
 
   const int wg = ctid / 128;
   auto issue_qk = [&](auto& s_acc, int stage) {
+    // Q's descriptors, (MMA, MMA_M, MMA_K). Hoisted out of the kv loop, ptxas holds them in
+    // ordinary registers through it (two per 16 dims); with V's 256 dims of o beside them the
+    // consumers spill, so there they are rebuilt every tile from an opaque copy of the address
+    // (same-run A/B: bf16 hd 256 +0..+4%, e4m3 hd 256 +5..+13%; at hd 128 the rebuild cost 1-3%).
+    auto* q_smem = smem.q;
+    if constexpr (T::kHeadDimVO > 128) asm volatile("" : "+l"(q_smem));
+    Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(q_smem), typename T::SmemLayoutQ{}));
+    static_assert(decltype(size<1>(tSrQ))::value == 1, "fa3: one 64-row wgmma per consumer warpgroup");
     warpgroup_fence_operand(s_acc);
     warpgroup_arrive();
     mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
