@@ -163,10 +163,13 @@ struct PrefillTraits {
   // setmaxnreg moves registers within the launch allocation (65536 / kThreads each, rounded down to
   // 8): the producer's release must cover the consumers' growth, or their setmaxnreg.inc waits
   // forever. Two consumers: 128 x (168 - 40) >= 256 x (232 - 168) (48 for the producer hangs), or
-  // for fp8 up to hd 128, whose producer transposes V (it spilled 92 bytes at 40), 128 x (168 - 56)
-  // = 256 x (224 - 168); three: 128 x (128 - 32) = 384 x (160 - 128).
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : kFp8 && kHeadDimVO <= 128 ? 56 : 40;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : kFp8 && kHeadDimVO <= 128 ? 224 : 232;
+  // 128 x (168 - 56) = 256 x (224 - 168) where the producer does more per tile than issue TMA
+  // boxes and the consumers fit 224: 16-bit paged (page ids; paged hd 256 +10% at 1 x 16384,
+  // same-run A/B) and fp8 up to hd 128 (V transposes: it spilled 92 bytes at 40). fp8 hd 256's
+  // consumers need all 232. Three consumers: 128 x (128 - 32) = 384 x (160 - 128).
+  static constexpr bool kBusyProducer = kFp8 ? kHeadDimVO <= 128 : kPagedKV;
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : kBusyProducer ? 56 : 40;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : kBusyProducer ? 224 : 232;
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
                 "fa3 prefill: setmaxnreg asks for more registers than the launch holds");
   static constexpr int kCellElements = 16 / kElementBytes;  // elements per 16-byte cell
