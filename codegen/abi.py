@@ -212,6 +212,7 @@ PREFILL_PARAMS = _struct(
     ("num_pages", "int32_t", "pages in the cache; a page id outside [0, num_pages) is flagged (ragged: kv rows)"),
     ("q_tokens", "int32_t", "rows of q (its first dim): what fa3's Q tensor map covers"),
     ("work_capacity", "int32_t", "work items the plan holds (static under CUDA graphs): the grid covers them"),
+    ("max_ctas", "int32_t", "CTAs the device runs at once (SMs x CTAs per SM): fa3's persistent grid"),
     ("row_capacity", "int32_t", "rows the merge kernel covers (static under CUDA graphs)"),
     ("causal", "int32_t", "1: key j is visible to query position p only if j <= p (bottom-right aligned)"),
     ("window_left", "int32_t", "sliding window (-1: none)"),

@@ -220,7 +220,7 @@ class _BatchPrefillWrapper:
             indices=indices.data_ptr() if self._paged else None, custom_mask=mask.data_ptr() if mask is not None else None,
             plan=self._image.on_device.data_ptr(), tmp_v=workspace_ptr, tmp_s=workspace_ptr + v_bytes,
             batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group_size=group,
-            page_size=kv_page, work_capacity=capacity if self._graph else info.num_work,
+            page_size=kv_page, work_capacity=capacity if self._graph else info.num_work, max_ctas=max_ctas,
             row_capacity=rows, causal=int(bool(causal)), window_left=window_left, cta_tile_q=tile,
             paged=int(self._paged), run_merge=int(self._graph or info.num_partials > 0), device=device_index,
             debug_sync=int(self._debug), rope_rcp_scale=1.0 / rope_scale, rope_rcp_theta=1.0 / rope_theta,
@@ -291,8 +291,8 @@ class _BatchPrefillWrapper:
         stream = current_stream(cuda_index(self._device))
         plan.module.check(plan.module.fns["prefill_run"](ctypes.byref(params), stream), "prefill run")
         if params.debug_sync and self._image.read_slot(PLAN_HEADER.index("error")) & PLAN_ERROR_BAD_PAGE:
-            raise RuntimeError(f"{plan.module.spec.uri}: {plan.module.spec.backend.value}::prefill_kernel read a page id outside [0, {num_pages}) "
-                               "from paged_kv_indices; the affected outputs are NaN")
+            raise RuntimeError(f"{plan.module.spec.uri}: {plan.module.spec.backend.value}::prefill_kernel read a page id "
+                               f"outside [0, {num_pages}) from paged_kv_indices; the affected outputs are NaN")
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

@@ -382,7 +382,7 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
 }
 
 // A paged token's (page, row in page). A page id outside [0, num_pages) reads page 0 instead and
-// raises `bad_page`: the CTA's rows then come out NaN (see store_rows).
+// raises `bad_page`: the job's rows then come out NaN (see store_rows).
 __device__ __forceinline__ PageRow resolve_page(const int32_t* page_ids, const common::FastDivmod& page_size,
                                                 int num_pages, int token, bool& bad_page) {
   PageRow row;
@@ -1002,8 +1002,9 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   constexpr int kWarpgroups = T::kConsumerWarpgroups;
   const int ctid = threadIdx.x - T::kProducerThreads;  // across all consumer warpgroups
   const auto* plan = static_cast<const int32_t*>(p.plan);
-  const int kv_head = job_of(p, job).kv_head;
-  const WorkTile w = load_work_tile<T>(p, plan, job_of(p, job).work, group);
+  const Job j = job_of(p, job);
+  const int kv_head = j.kv_head;
+  const WorkTile w = load_work_tile<T>(p, plan, j.work, group);
 
   typename T::TiledMmaQK mma_qk;
   typename T::TiledMmaPV mma_pv;
@@ -1301,14 +1302,11 @@ cudaError_t prefill_occupancy(int* ctas_per_sm) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, prefill_kernel<T>, T::kThreads, T::kSmemBytes);
 }
 
-// One persistent CTA per SM slot, never more than the jobs the plan can hold (so a CUDA graph's
-// grid stays fixed: work_capacity is static there).
+// One persistent CTA per SM slot (max_ctas, which plan() sized with prefill_occupancy), never more
+// than the jobs the plan can hold (so a CUDA graph's grid stays fixed: both are static there).
 template <typename T>
 cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
-  int ctas_per_sm = 0, device = 0, sms = 0;
-  cudaError_t err = prefill_occupancy<T>(&ctas_per_sm);
-  if (err == cudaSuccess) err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
   KernelArgs<T> args{};
   args.p = p;
@@ -1316,7 +1314,7 @@ cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
   if (err == cudaSuccess) err = encode_q_map<T>(args);
   if (err != cudaSuccess) return err;
   const int64_t jobs = int64_t(p.work_capacity) * p.num_kv_heads;
-  const int grid = int(std::min<int64_t>(jobs, int64_t(sms) * std::max(ctas_per_sm, 1)));
+  const int grid = int(std::min<int64_t>(jobs, p.max_ctas));
   if (grid == 0) return cudaSuccess;
   prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
