@@ -993,6 +993,11 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
   Barrier::arrive(&smem.v_empty[last]);
 }
 
+// x, which every lane of the warp holds, in a uniform register: redux.sync writes one, so the wgmma
+// descriptors derived from it stay on the uniform datapath instead of being built per thread and
+// moved over (R2UR) for every wgmma of every tile.
+__device__ __forceinline__ int warp_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
+
 template <typename T>
 __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const typename T::Params& p, int job,
                                         const common::FastDivmod& group, PipelineCount<T::kStages>& count) {
@@ -1010,6 +1015,8 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   typename T::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(ctid);
   auto thr_pv = mma_pv.get_thread_slice(ctid);
+  // Q's descriptors depend on the warpgroup alone: from a uniform first thread, they are uniform.
+  const int warpgroup_base = warp_uniform(ctid) / 128 * 128;
   Tensor sK = make_tensor(make_smem_ptr(smem.k), typename T::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{});
   Tensor tSrK = thr_qk.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
@@ -1043,13 +1050,11 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
 
   const int wg = ctid / 128;
   auto issue_qk = [&](auto& s_acc, int stage) {
-    // Q's descriptors, (MMA, MMA_M, MMA_K). Hoisted out of the kv loop, ptxas holds them in
-    // ordinary registers through it (two per 16 dims); with V's 256 dims of o beside them the
-    // consumers spill, so there they are rebuilt every tile from an opaque copy of the address
-    // (same-run A/B: bf16 hd 256 +0..+4%, e4m3 hd 256 +5..+13%; at hd 128 the rebuild cost 1-3%).
-    auto* q_smem = smem.q;
-    if constexpr (T::kHeadDimVO > 128) asm volatile("" : "+l"(q_smem));
-    Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(q_smem), typename T::SmemLayoutQ{}));
+    // Q's descriptors, (MMA, MMA_M, MMA_K), from the warpgroup's uniform first thread: built per
+    // thread they took ordinary registers through the kv loop (two per 16 dims) and an R2UR per
+    // wgmma, and made the hd 256 consumers spill.
+    Tensor tSrQ = mma_qk.get_thread_slice(warpgroup_base)
+                      .partition_fragment_A(make_tensor(make_smem_ptr(smem.q), typename T::SmemLayoutQ{}));
     static_assert(decltype(size<1>(tSrQ))::value == 1, "fa3: one 64-row wgmma per consumer warpgroup");
     warpgroup_fence_operand(s_acc);
     warpgroup_arrive();
@@ -1114,7 +1119,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
     if (num_tiles > 1) wait_full(&smem.k_full[count.stage(1)], count.phase(1));
 
     for (int n = 1; n < num_tiles; ++n) {
-      const int stage = count.stage(n), prev = count.stage(n - 1);
+      const int stage = warp_uniform(count.stage(n)), prev = warp_uniform(count.stage(n - 1));
       wait_full(&smem.v_full[prev], count.phase(n - 1));
       scheduler_wait(wg);
       issue_qk(tSrS, stage);
