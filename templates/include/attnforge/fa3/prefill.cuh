@@ -256,13 +256,14 @@ struct PrefillTraits {
 
 // What the kernel receives: the module's params and the TMA descriptors of K and V (encoded per
 // launch, since they hold the tensors' addresses), viewed as (dim, row in page, head, page); a
-// ragged tensor is one page. box_rows: rows per box (0: no tile is boxed, all are gathered).
+// ragged tensor is one page. box_rows: rows per box (0: no tile is boxed, all are gathered);
+// boxes: boxes per boxed tile.
 // q_rows: Q as (dim, head, token), whose box is a tile's packed rows (q_boxed 0: Q is gathered).
 template <typename T>
 struct KernelArgs {
   typename T::Params p;
   CUtensorMap k_pages, v_pages, q_rows;
-  int box_rows, q_boxed;
+  int box_rows, boxes, q_boxed;
 };
 
 // Named barrier ids (0 is __syncthreads).
@@ -450,13 +451,17 @@ __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename 
   }
 }
 
-// Whether the tile at `first` comes by TMA (the same answer in every producer thread).
+// Whether the tile at `first` comes by TMA (the same answer in every producer thread): it starts a
+// page, or lies in one. The producer is bound by its instructions' latency (fp8 paged), so the
+// page size divides by multiplication.
 template <typename T>
-__device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const WorkTile& w, int first) {
+__device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const WorkTile& w,
+                                              const common::FastDivmod& page_size, int first) {
   if (args.box_rows == 0 || first + T::kBlockN > w.end) return false;
   if constexpr (!T::kPagedKV) return true;
-  const int page_size = args.p.page_size;
-  return page_size <= T::kBlockN ? first % page_size == 0 : first % page_size + T::kBlockN <= page_size;
+  int page_index, in_page;
+  page_size.divmod(first, page_index, in_page);
+  return in_page == 0 || in_page + T::kBlockN <= int(page_size.divisor);
 }
 
 // A boxed tile as the producer warps load it: lane l of warp w takes the rows of box 4 l + w (a
@@ -469,17 +474,18 @@ struct TileBoxes {
   int row;           // the box's first row in the tile
   bool boxing;       // whether this lane has a box
   bool warp_boxing;  // whether this warp has any (lane 0 has box w), so waits for the stage
+  bool kv_read_once;  // whether no other q tile reads the tile
 };
 
 template <typename T>
 __device__ __forceinline__ TileBoxes tile_boxes(const KernelArgs<T>& args, const int32_t* page_ids,
                                                 const common::FastDivmod& page_size, int kv_token_base, int first,
-                                                bool& bad_page) {
+                                                bool kv_read_once, bool& bad_page) {
   constexpr int kWarps = T::kProducerThreads / 32;
   const int box = threadIdx.x % 32 * kWarps + threadIdx.x / 32;
-  const int boxes = T::kPagedKV ? T::kBlockN / args.box_rows : 1;
   // ragged: one page of every row
-  TileBoxes t{PageRow{0, kv_token_base + first}, box * args.box_rows, box < boxes, int(threadIdx.x / 32) < boxes};
+  TileBoxes t{PageRow{0, kv_token_base + first}, box * args.box_rows, box < args.boxes,
+              int(threadIdx.x / 32) < args.boxes, kv_read_once};
   if (T::kPagedKV && t.boxing) t.origin = resolve_page(page_ids, page_size, args.p.num_pages, first + t.row, bad_page);
   return t;
 }
@@ -491,12 +497,15 @@ __device__ __forceinline__ TileBoxes tile_boxes(const KernelArgs<T>& args, const
 template <typename T, int kDims, typename SmemOffset>
 __device__ __forceinline__ void box_tile(const CUtensorMap& map, const TileBoxes& boxes, int kv_head,
                                          uint8_t* tile, uint64_t* full, uint32_t bytes, SmemOffset smem_offset) {
-  const auto evict_last = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);  // every q tile rereads K/V
+  // K/V that the request's other q tiles reread stay in L2; a request of one q tile (decode) reads
+  // them once, and they leave room for what is reread, the page ids among it.
+  const auto hint = static_cast<uint64_t>(boxes.kv_read_once ? cute::TMA::CacheHintSm90::EVICT_FIRST
+                                                             : cute::TMA::CacheHintSm90::EVICT_LAST);
   if (threadIdx.x == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, bytes);
   if (!boxes.boxing) return;
 #pragma unroll
   for (int col = 0; col < kDims; col += T::kLineElements) {
-    cute::SM90_TMA_LOAD_4D::copy(&map, full, evict_last, tile + smem_offset(boxes.row, col), col, boxes.origin.in_page,
+    cute::SM90_TMA_LOAD_4D::copy(&map, full, hint, tile + smem_offset(boxes.row, col), col, boxes.origin.in_page,
                                  kv_head, boxes.origin.page);
   }
 }
@@ -586,12 +595,18 @@ __device__ __forceinline__ void transpose_v_tile(typename T::SharedStorage& smem
     dst[i] = common::smem_addr(smem.v) + swizzled_offset<typename T::SmemLayoutVt, Element>(
                                              dim0 + (shifted ? (i + 2) % 4 : i), 32 * group + 4 * word, stage);
   }
+  // ldmatrix and the stores are volatile asm, kept in source order: chunk c + 1's ldmatrix goes
+  // out before chunk c's permutes and stores, so its latency overlaps them.
+  auto load_chunk = [&](uint32_t (&keys)[4], int chunk) {
+    common::ldmatrix_x4(keys, (src ^ (chunk % kLineChunks * 16)) + chunk / kLineChunks * kBlockBytes);
+  };
+  uint32_t keys[2][4];
+  load_chunk(keys[0], 0);
 #pragma unroll
   for (int chunk = 0; chunk < kChunks; ++chunk) {
-    uint32_t keys[4];
-    common::ldmatrix_x4(keys, (src ^ (chunk % kLineChunks * 16)) + chunk / kLineChunks * kBlockBytes);
+    if (chunk + 1 < kChunks) load_chunk(keys[(chunk + 1) % 2], chunk + 1);
     uint32_t words[4];
-    transpose_4x4_bytes(keys, words, first_pairs, second_pairs);
+    transpose_4x4_bytes(keys[chunk % 2], words, first_pairs, second_pairs);
 #pragma unroll
     for (int i = 0; i < 4; ++i) common::store_shared_u32(dst[i] + chunk * 16 * T::kBlockN, words[i]);
   }
@@ -692,6 +707,8 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
   const common::FastDivmod page_size(T::kPagedKV ? p.page_size : 1);
   auto* k_smem = reinterpret_cast<uint8_t*>(smem.k);
   auto* v_smem = reinterpret_cast<uint8_t*>(smem.v);
+  // Paged only: decode's requests have one q tile; a ragged producer's 40 registers have no room.
+  const bool kv_read_once = T::kPagedKV && w.qo_len * p.group_size <= T::kBlockM;
 
   // fp8: the first tile whose V rows are not yet requested.
   int unrequested = 0;
@@ -699,21 +716,21 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     const int stage = count.stage(n);
     const uint32_t free_phase = count.phase(n) ^ 1;  // a fresh barrier counts as released
     const int first = w.begin + n * T::kBlockN;
-    if (tile_is_boxed<T>(args, w, first)) {
+    if (tile_is_boxed<T>(args, w, page_size, first)) {
       if constexpr (T::kFp8) {
         // V rows for this tile and the boxed tiles right after it, as far as the staging buffers
         // reach (tile n + i takes buffer (staged + i) % kVStaging, whose last tile was transposed
         // before an earlier barrier), so their latency hides behind the transposes; then K. K's
         // page ids are read first, so their latency overlaps the later V rows'; tile n's own V rows
         // reuse them.
-        const TileBoxes k_boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page);
+        const TileBoxes k_boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, kv_read_once, bad_page);
         unrequested = max(unrequested, n);
         while (unrequested < num_tiles && unrequested - n < T::kVStaging &&
-               tile_is_boxed<T>(args, w, w.begin + unrequested * T::kBlockN)) {
+               tile_is_boxed<T>(args, w, page_size, w.begin + unrequested * T::kBlockN)) {
           const int ahead = unrequested - n;
-          const TileBoxes v_boxes =
-              ahead == 0 ? k_boxes
-                         : tile_boxes<T>(args, page_ids, page_size, kv_token_base, first + ahead * T::kBlockN, bad_page);
+          const TileBoxes v_boxes = ahead == 0 ? k_boxes
+                                               : tile_boxes<T>(args, page_ids, page_size, kv_token_base,
+                                                               first + ahead * T::kBlockN, kv_read_once, bad_page);
           box_v_rows<T>(smem, args, v_boxes, (count.staged + ahead) % T::kVStaging, kv_head);
           ++unrequested;
         }
@@ -726,8 +743,8 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
         arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
         ++count.staged;
       } else {
-        load_kv_tile_tma<T>(smem, args, tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, bad_page),
-                            stage, free_phase, kv_head);
+        const TileBoxes boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, kv_read_once, bad_page);
+        load_kv_tile_tma<T>(smem, args, boxes, stage, free_phase, kv_head);
         __syncwarp();  // lanes without boxes left early; the bar.sync of a gathered tile needs the whole warp
       }
       continue;
@@ -1279,6 +1296,7 @@ cudaError_t encode_kv_maps(KernelArgs<T>& args) {
   const bool boxable = page_size >= T::kBlockN || (page_size % 8 == 0 && T::kBlockN % page_size == 0);
   args.box_rows = p.num_pages > 0 && (boxable || !T::kPagedKV) ? int(std::min<int64_t>(page_size, T::kBlockN)) : 0;
   if (args.box_rows == 0) return cudaSuccess;
+  args.boxes = T::kPagedKV ? T::kBlockN / args.box_rows : 1;
   const int64_t pages = T::kPagedKV ? p.num_pages : 1;
   const int64_t k_page_stride = T::kPagedKV ? p.kv_stride_page : p.kv_stride_token * page_size;
   const int64_t v_page_stride = T::kPagedKV ? p.v_stride_page : p.v_stride_token * page_size;
