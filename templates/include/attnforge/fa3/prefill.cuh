@@ -5,13 +5,14 @@
 //   FP8 (e4m3 or e5m2 q, k, v; 16-bit o): the fp8 wgmma reads only K-major shared operands, so V
 //   is stored transposed (kv contiguous): boxed V tiles land by TMA as rows in staging buffers
 //   (several, so later tiles' rows land during this tile's transpose) and the producer transposes
-//   them into the stage with ldmatrix and byte permutes; gathered V tiles are transposed on their
-//   way from global memory. The kv order within each 32 keys is the one P's registers come in
-//   (p_key_of_slot). P is e4m3 whatever V's format, 2^8 times the softmax weights to use its
-//   range; o / d cancels that and lse takes it back. Scales: float ones as everywhere (q_scale *
-//   k_scale folded into sm_scale, o times v_scale on the host); tensor ones (per head, or [1]) are
-//   read here: q and k scales into each row's score factor, the kv head's v scale into the
-//   output's normalization.
+//   them into the stage with ldmatrix and byte permutes (in the decode instantiation, one query
+//   token per request, consumer warpgroup 1 has no rows and does it instead: consumer_transposes);
+//   gathered V tiles are transposed on their way from global memory. The kv order within each 32
+//   keys is the one P's registers come in (p_key_of_slot). P is e4m3 whatever V's format, 2^8
+//   times the softmax weights to use its range; o / d cancels that and lse takes it back.
+//   Scales: float ones as everywhere (q_scale * k_scale folded into sm_scale, o times v_scale on
+//   the host); tensor ones (per head, or [1]) are read here: q and k scales into each row's score
+//   factor, the kv head's v scale into the output's normalization.
 //
 // Contract (/work/prefill-contract.md), the same plan image and params as fa2/prefill.cuh:
 //   Persistent: grid = min(work_capacity x num_kv_heads, SMs x CTAs per SM). A job is one work
@@ -106,7 +107,7 @@ struct PageRow {
 };
 
 template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
-          bool kPagedKV_, bool kSoftCap_, bool kSlidingWindow_>
+          bool kPagedKV_, bool kSoftCap_, bool kSlidingWindow_, bool kDecodeItems_ = false>
 struct PrefillTraits {
   using Params = Params_;
   using DTypeQ = DTypeQ_;
@@ -119,6 +120,12 @@ struct PrefillTraits {
   static constexpr bool kSlidingWindow = kSlidingWindow_;
 
   static constexpr bool kFp8 = sizeof(DTypeKV) == 1;
+  // The instantiation that launch_prefill picks for plans of one query token per request (the
+  // tensor-core decode wrapper's), fp8 paged only: there consumer warpgroup 1, which has no rows,
+  // transposes the boxed V tiles in place of the producer (consumer_transposes).
+  static constexpr bool kDecodeItems = kDecodeItems_;
+  using WithDecodeItems = PrefillTraits<Params_, DTypeQ_, DTypeKV_, DTypeO_, kHeadDimQK_, kHeadDimVO_, kPagedKV_,
+                                        kSoftCap_, kSlidingWindow_, true>;
   static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one type (rule fa3-same-dtype-family)");
   static_assert(sizeof(DTypeO) == 2, "fa3 prefill dtypes: o is half or bf16 (rule o-not-fp8)");
   static constexpr int kElementBytes = int(sizeof(DTypeKV));
@@ -137,6 +144,8 @@ struct PrefillTraits {
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
   static constexpr int kConsumerWarpgroups = !kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64 ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
+  static_assert(!kDecodeItems || (kFp8 && kPagedKV && kConsumerWarpgroups == 2),
+                "fa3 decode items: warpgroup 1 transposes fp8 V tiles of paged items of <= 64 rows");
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
   // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
   // tile's kv rows must fill a 128-byte line, and (256, 256) then fits two stages and the staging.
@@ -246,6 +255,7 @@ struct PrefillTraits {
     uint64_t q_full, q_empty;
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
     uint64_t v_rows_full[kVStaging];
+    uint64_t v_rows_empty[kDecodeItems ? kVStaging : 0];  // the staging buffer's tile is transposed
   };
   // The dynamic window is only 16-byte aligned: room to round the base up to 1024.
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
@@ -268,6 +278,7 @@ struct KernelArgs {
 
 // Named barrier ids (0 is __syncthreads).
 constexpr int kBarrierProducer = 1;  // the producer warpgroup among itself (page table written, gathered copies issued)
+constexpr int kBarrierTransposer = 5;  // consumer warpgroup 1 transposing fp8 V tiles, among itself
 
 // The CTA's share of one work item, as both roles derive it from the plan.
 struct WorkTile {
@@ -462,6 +473,24 @@ __device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const W
   int page_index, in_page;
   page_size.divmod(first, page_index, in_page);
   return in_page == 0 || in_page + T::kBlockN <= int(page_size.divisor);
+}
+
+// Decode items (kDecodeItems): an item of at most 64 rows leaves consumer warpgroup 1 without
+// rows, so it transposes the item's boxed V tiles in place of the producer, whose chain of
+// instructions per tile limits decode (design notes). Both roles decide alike, per item; a staging
+// buffer is then free once its tile's transposer arrives on v_rows_empty.
+template <typename T>
+__device__ __forceinline__ bool consumer_transposes(const WorkTile& w) {
+  return T::kDecodeItems && w.rows <= 64;
+}
+
+// The item's boxed tiles, each of which takes the next fp8 staging buffer, as both roles count them.
+template <typename T>
+__device__ __forceinline__ int num_boxed_tiles(const KernelArgs<T>& args, const WorkTile& w,
+                                               const common::FastDivmod& page_size, int num_tiles) {
+  int boxed = 0;
+  for (int n = 0; n < num_tiles; ++n) boxed += tile_is_boxed<T>(args, w, page_size, w.begin + n * T::kBlockN);
+  return boxed;
 }
 
 // A boxed tile as the producer warps load it: lane l of warp w takes the rows of box 4 l + w (a
@@ -709,6 +738,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
   auto* v_smem = reinterpret_cast<uint8_t*>(smem.v);
   // Paged only: decode's requests have one q tile; a ragged producer's 40 registers have no room.
   const bool kv_read_once = T::kPagedKV && w.qo_len * p.group_size <= T::kBlockM;
+  const bool by_consumer = consumer_transposes<T>(w);
 
   // fp8: the first tile whose V rows are not yet requested.
   int unrequested = 0;
@@ -731,16 +761,23 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
           const TileBoxes v_boxes = ahead == 0 ? k_boxes
                                                : tile_boxes<T>(args, page_ids, page_size, kv_token_base,
                                                                first + ahead * T::kBlockN, kv_read_once, bad_page);
-          box_v_rows<T>(smem, args, v_boxes, (count.staged + ahead) % T::kVStaging, kv_head);
+          const int staged = count.staged + ahead;
+          if constexpr (T::kDecodeItems) {  // the buffer's last tile is transposed (fresh: released)
+            Barrier::wait(&smem.v_rows_empty[staged % T::kVStaging], ((staged / T::kVStaging) & 1) ^ 1);
+          }
+          box_v_rows<T>(smem, args, v_boxes, staged % T::kVStaging, kv_head);
           ++unrequested;
         }
         load_kv_tile_tma<T>(smem, args, k_boxes, stage, free_phase, kv_head);
         __syncwarp();  // lanes without boxes left early; ldmatrix and bar.sync below need the whole warp
-        const int buffer = count.staged % T::kVStaging;
-        cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (count.staged / T::kVStaging) & 1);
-        Barrier::wait(&smem.v_empty[stage], free_phase);
-        transpose_v_tile<T>(smem, buffer, stage, tid);
-        arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
+        if (!by_consumer) {
+          const int buffer = count.staged % T::kVStaging;
+          cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (count.staged / T::kVStaging) & 1);
+          Barrier::wait(&smem.v_empty[stage], free_phase);
+          transpose_v_tile<T>(smem, buffer, stage, tid);
+          arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
+          if (T::kDecodeItems && tid == 0) Barrier::arrive(&smem.v_rows_empty[buffer]);
+        }
         ++count.staged;
       } else {
         const TileBoxes boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, kv_read_once, bad_page);
@@ -988,20 +1025,45 @@ __device__ __forceinline__ void transform_scores(const typename T::Params& p, co
 }
 
 // The consumer loop of `consume` with nothing but its barrier and pingpong traffic, in the same
-// order, for a warpgroup with no rows to compute.
+// order, for a warpgroup with no rows to compute; for decode items (consumer_transposes) also
+// each boxed V tile's transpose at the top of its iteration, as the producer would do it: its rows
+// and its stage's release awaited, then v_full and the staging buffer's release.
 template <typename T>
-__device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem, const PipelineCount<T::kStages>& count,
+__device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem, const KernelArgs<T>& args,
+                                                const WorkTile& w, const PipelineCount<T::kStages>& count,
                                                 int num_tiles, int wg) {
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kWarpgroups = T::kConsumerWarpgroups;
+  int staged = count.staged;
+  const bool transposes = consumer_transposes<T>(w);
+  const common::FastDivmod page_size(T::kPagedKV ? args.p.page_size : 1);
+  auto transpose = [&](int n) {
+    if constexpr (T::kDecodeItems) {
+      if (!transposes || !tile_is_boxed<T>(args, w, page_size, w.begin + n * T::kBlockN)) return;
+      const int buffer = staged % T::kVStaging, stage = count.stage(n);
+      const int tid = int(threadIdx.x) - T::kProducerThreads - 128 * wg;
+      cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (staged / T::kVStaging) & 1);
+      Barrier::wait(&smem.v_empty[stage], count.phase(n) ^ 1);
+      transpose_v_tile<T>(smem, buffer, stage, tid);
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(128, kBarrierTransposer);
+      if (tid == 0) {
+        Barrier::arrive(&smem.v_full[stage]);
+        Barrier::arrive(&smem.v_rows_empty[buffer]);
+      }
+      ++staged;
+    }
+  };
   scheduler_open<kWarpgroups>(wg);
   Barrier::wait(&smem.q_full, count.items & 1);
   Barrier::arrive(&smem.q_empty);
+  transpose(0);
   Barrier::wait(&smem.k_full[count.stage(0)], count.phase(0));
   scheduler_wait(wg);
   scheduler_pass<kWarpgroups>(wg);
   Barrier::arrive(&smem.k_empty[count.stage(0)]);
   for (int n = 1; n < num_tiles; ++n) {
+    transpose(n);
     const int stage = count.stage(n), prev = count.stage(n - 1);
     Barrier::wait(&smem.k_full[stage], count.phase(n));
     Barrier::wait(&smem.v_full[prev], count.phase(n - 1));
@@ -1023,12 +1085,13 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
 __device__ __forceinline__ int warp_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
 
 template <typename T>
-__device__ __forceinline__ void consume(typename T::SharedStorage& smem, const typename T::Params& p, int job,
+__device__ __forceinline__ void consume(typename T::SharedStorage& smem, const KernelArgs<T>& args, int job,
                                         const common::FastDivmod& group, PipelineCount<T::kStages>& count) {
   using namespace cute;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kWarpgroups = T::kConsumerWarpgroups;
+  const auto& p = args.p;
   const int ctid = threadIdx.x - T::kProducerThreads;  // across all consumer warpgroups
   const auto* plan = static_cast<const int32_t*>(p.plan);
   const Job j = job_of(p, job);
@@ -1123,7 +1186,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   // no GEMM: it only keeps the barrier and pingpong counts (a branch around the wgmma issue
   // itself would make ptxas serialize every wgmma).
   if (wg * 64 >= w.rows) {
-    follow_pipeline<T>(smem, count, num_tiles, wg);
+    follow_pipeline<T>(smem, args, w, count, num_tiles, wg);
   } else {
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     Tensor tOrP = make_tensor<typename T::ElementP>(typename T::FragmentPShape{});
@@ -1183,8 +1246,11 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const t
   Barrier::wait(&smem.item_done[item % 2], (item / 2) & 1);  // the producer has seen every page id
   // The job's rows, read again from the plan: kept, they would hold registers through the kv loop.
   const Job stored = job_of(p, job);
-  store_rows<T>(p, load_work_tile<T>(p, plan, stored.work, group), group, stored.kv_head,
-                smem.item_bad_page[item % 2] != 0, m, d, o, o_coord);
+  const WorkTile stored_w = load_work_tile<T>(p, plan, stored.work, group);
+  if constexpr (T::kDecodeItems) {  // the staging buffers this item's boxed tiles took
+    count.staged += num_boxed_tiles<T>(args, stored_w, common::FastDivmod(p.page_size), num_tiles);
+  }
+  store_rows<T>(p, stored_w, group, stored.kv_head, smem.item_bad_page[item % 2] != 0, m, d, o, o_coord);
 }
 
 // Dynamic persistent schedule: a CTA's first job is its blockIdx.x, each next one the first not
@@ -1246,6 +1312,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
     }
 #pragma unroll
     for (int b = 0; b < T::kVStaging; ++b) Barrier::init(&smem.v_rows_full[b], 1);  // thread 0's
+    if constexpr (T::kDecodeItems) {
+#pragma unroll
+      for (int b = 0; b < T::kVStaging; ++b) Barrier::init(&smem.v_rows_empty[b], 1);  // the transposer's first thread's
+    }
     for (int i = 0; i < 2; ++i) {
       Barrier::init(&smem.item_done[i], 1);  // thread 0's
       Barrier::init(&smem.job_full[i], 1);
@@ -1275,7 +1345,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
     for (int seq = 0;; ++seq) {
       const int job = take_job<T>(smem, seq);
       if (job >= num_jobs_of(p)) break;
-      consume<T>(smem, p, job, group, count);
+      consume<T>(smem, args, job, group, count);
     }
   }
 }
@@ -1336,6 +1406,11 @@ cudaError_t prefill_occupancy(int* ctas_per_sm) {
 // than the jobs the plan can hold (so a CUDA graph's grid stays fixed: both are static there).
 template <typename T>
 cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
+  if constexpr (T::kFp8 && T::kPagedKV && T::kConsumerWarpgroups == 2 && !T::kDecodeItems) {
+    // One query token per request: the decode instantiation (its items of <= 64 rows leave
+    // consumer warpgroup 1 free to transpose V; it checks each item's rows itself).
+    if (p.q_tokens == p.batch_size) return launch_prefill<typename T::WithDecodeItems>(p, stream);
+  }
   cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
   KernelArgs<T> args{};
