@@ -184,7 +184,8 @@ class DecodePath:
     fp8_q: bool  # the fp8 variant quantizes q too
 
 
-DECODE_PATHS = (DecodePath("CUDA cores (fa2)", False, "auto", fp8_q=False),) + (
+DECODE_PATHS = (DecodePath("CUDA cores (fa2)", False, "auto", fp8_q=False),
+                DecodePath("tensor cores (fa2)", True, "fa2", fp8_q=False)) + (
     (DecodePath("tensor cores (fa3), e4m3 q", True, "fa3", fp8_q=True),) if "fa3" in prefill.BACKENDS else ())
 
 

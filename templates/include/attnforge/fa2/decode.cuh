@@ -9,8 +9,10 @@
 //   group of kHeadsPerThread query heads, tz one "token lane" that takes every kBdz-th row of a KV tile.
 //   An fp8 cache is converted on load to fp16 (exact); with a bf16 output it is multiplied in packed
 //   half2 (PackedQuery, decode_tile), else in fp32. Its k_scale folds into score_scale on the host and v_scale multiplies o after the kernel.
-//   K/V tiles stream through a kStages-deep cp.async ring; page ids for the tile after next are
-//   fetched one iteration ahead so the gather never waits on the page table.
+//   K/V tiles stream through a kStages-deep cp.async ring. A row's source offset is looked up once
+//   per tile, by the row's owner thread, two tiles ahead of its copies (a tile in a register for the
+//   page-id load, a tile in shared memory for the copying threads), so the gather never waits on
+//   the page table and the kBdx copies of a row do not each repeat the lookup.
 //   Scores: the kBdx lanes of a row (a "lane group") reduce-scatter their partial dot products
 //   so that each finished score lives in one lane, which applies soft cap, mask and exp2 once;
 //   the probabilities reach every lane of the group for P.V through a small shared buffer.
@@ -83,6 +85,7 @@ struct DecodeTraits {
   static constexpr int kMinCtasPerSm = 4;
   static constexpr int kChunksPerTile = kTileTokens * kBdx;  // 16-byte chunks in one K (or V) tile
   static constexpr int kChunksPerThread = kChunksPerTile / kThreads;
+  static constexpr int kOffsetSlots = kStages - 1;  // tiles whose row offsets wait in shared memory
 
   // An fp8 cache spends 1.5 conversions per element to reach fp32 against 2 FMAs of its 2 heads
   // (measured at 61% of copy bandwidth, issue-bound). In fp16 a pair converts in one instruction
@@ -109,6 +112,7 @@ struct DecodeTraits {
   static_assert(kChunksPerThread >= 1 && kChunksPerTile % kThreads == 0,
                 "decode tile: every thread must issue the same number of 16-byte copies");
   static_assert(kTileTokens % kBdz == 0, "decode tile: token lanes must split a tile evenly");
+  static_assert(kTileTokens <= kThreads && kStages >= 3, "decode ring: a thread per tile row owns its offset");
 
   // Per tile a lane group computes kScores = kTokensPerLane x kHeadsPerThread dot products. The
   // reduce-scatter spreads them over kScatterLanes lanes, kScoresPerLane consecutive tokens of one
@@ -134,17 +138,25 @@ struct DecodeTraits {
     alignas(16) DTypeKV k[kStages][kTileTokens * kHeadDim];
     alignas(16) DTypeKV v[kStages][kTileTokens * kHeadDim];
   };
-  // One token's probabilities for a lane group's heads; row kTokensPerLane of a group's buffer
-  // holds each head's rescale factor instead. Aligned so a lane reads a row in one load.
-  struct alignas(sizeof(float) * kHeadsPerThread) ProbRow {
-    float h[kHeadsPerThread];
+  // A lane group's per-tile exchange: each token's probabilities for its heads (the packed math's
+  // in fp16, times kProbScale, as its P.V multiplies them) and each head's rescale factor. A row
+  // is aligned so a lane reads it in one load.
+  template <typename E>
+  struct alignas(sizeof(E) * kHeadsPerThread) HeadRow {
+    E h[kHeadsPerThread];
+  };
+  using ProbRow = HeadRow<std::conditional_t<kPackedMath, half, float>>;
+  struct LaneGroupRows {
+    ProbRow probs[kTokensPerLane];
+    HeadRow<float> rescale;
   };
   struct SharedStorage {
     union {
       Ring ring;
       LaneStates lanes;
     };
-    ProbRow probs[kBdz][kBdy][kTokensPerLane + 1];  // per lane group, rewritten every tile
+    LaneGroupRows rows[kBdz][kBdy];  // per lane group, rewritten every tile
+    int64_t row_offsets[kOffsetSlots][kTileTokens];  // tile t's in slot t % kOffsetSlots
   };
 };
 
@@ -190,13 +202,32 @@ struct OwnedHead {
   float d = 0.f;
 };
 
+// The packed math's reduce-scatter (common::lane_group_reduce_scatter's contract): its first step
+// adds the partner lane's half2 partial dot products in fp16, each half then summing kVec products
+// (within kQueryBound's range), so a lane converts only the kValues / 2 slots it keeps; the other
+// steps run in fp32 over the half-size lane group.
+template <int kLanes, int kValues>
+__device__ __forceinline__ void reduce_scatter_packed(half2 (&dots)[kValues], float (&x)[kValues]) {
+  static_assert(kLanes >= 2 && kValues >= 2, "decode scores: the first step needs two lanes and two slots");
+  constexpr int kKept = kValues / 2;
+  float kept[kKept];
+#pragma unroll
+  for (int i = 0; i < kKept; ++i) {
+    const float2 halves = __half22float2(__hadd2(dots[i], __shfl_xor_sync(0xffffffffu, dots[i + kKept], kLanes / 2)));
+    kept[i] = halves.x + halves.y;
+  }
+  common::lane_group_reduce_scatter<kLanes / 2, kKept>(kept);
+#pragma unroll
+  for (int i = 0; i < kKept; ++i) x[i] = kept[i];
+}
+
 // One KV tile for this lane group: reduce-scattered scores, the online-softmax update, P.V.
 // q (fp32) is pre-scaled so a dot product is already a base-2 logit; its slot h holds head h ^ owner.head.
 // o holds the heads in natural order. probs is this lane group's shared buffer.
 template <typename T>
 __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, const typename T::DTypeKV* v_tile,
                                             const typename T::Query& q, ScoreOwner owner,
-                                            int valid_rows, float post_scale, typename T::ProbRow* probs,
+                                            int valid_rows, float post_scale, typename T::LaneGroupRows& rows,
                                             OwnedHead& own, float (&o)[T::kHeadsPerThread][T::kVec]) {
   using Vec = common::Vec16<typename T::DTypeKV>;
   constexpr int H = T::kHeadsPerThread;
@@ -207,6 +238,7 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
   constexpr int kTokenStride = T::kBdz * T::kHeadDim;
 
   float s[T::kScores];  // slot (h, j) at h * kTokens + j
+  half2 dots[T::kPackedMath ? T::kScores : 1];  // packed math: the slots' even and odd columns
 #pragma unroll
   for (int j = 0; j < kTokens; ++j) {
     const uint4& k_raw = *reinterpret_cast<const uint4*>(k_tile + (j ^ owner.token) * kTokenStride + lane_offset);
@@ -218,8 +250,7 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
         half2 dot = __hmul2(q.q[h][0], kh[0]);
 #pragma unroll
         for (int e = 1; e < T::kVec / 2; ++e) dot = __hfma2(q.q[h][e], kh[e], dot);
-        const float2 halves = __half22float2(dot);
-        s[h * kTokens + j] = halves.x + halves.y;
+        dots[h * kTokens + j] = dot;
       }
     } else {
       float kf[T::kVec];
@@ -233,7 +264,11 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
       }
     }
   }
-  common::lane_group_reduce_scatter<T::kBdx, T::kScores>(s);
+  if constexpr (T::kPackedMath) {
+    reduce_scatter_packed<T::kBdx, T::kScores>(dots, s);
+  } else {
+    common::lane_group_reduce_scatter<T::kBdx, T::kScores>(s);
+  }
 
   float tile_max = common::kNegInf;
 #pragma unroll
@@ -260,14 +295,18 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
   for (int i = 0; i < T::kScoresPerLane; ++i) {
     const float prob = common::fast_exp2(s[i] - m_safe);
     own.d += prob;
-    probs[owner.token + i].h[owner.head] = prob;
+    if constexpr (T::kPackedMath) {
+      rows.probs[owner.token + i].h[owner.head] = __float2half_rn(prob * T::kProbScale);
+    } else {
+      rows.probs[owner.token + i].h[owner.head] = prob;
+    }
   }
-  probs[kTokens].h[owner.head] = alpha;  // the head's other lanes (and copies) store the same value
+  rows.rescale.h[owner.head] = alpha;  // the head's other lanes (and copies) store the same value
   __syncwarp();  // a lane group never spans warps; the next tile's stores wait behind __syncthreads
 
   // The max rarely moves after the first tiles: one warp-wide vote skips the whole rescale.
   if (__any_sync(0xffffffffu, alpha != 1.f)) {
-    const typename T::ProbRow rescale = probs[kTokens];
+    const auto rescale = rows.rescale;
 #pragma unroll
     for (int h = 0; h < H; ++h) {
 #pragma unroll
@@ -275,16 +314,16 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
     }
   }
   if constexpr (T::kPackedMath) {
-    // This tile's P.V in fp16 (probabilities times kProbScale), then added into the fp32 o.
+    // This tile's P.V in fp16, then added into the fp32 o.
     half2 pv[H][T::kVec / 2];
 #pragma unroll
     for (int j = 0; j < kTokens; ++j) {
       half2 vh[T::kVec / 2];
       Vec::to_half2(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset), vh);
-      const typename T::ProbRow p = probs[j];
+      const typename T::ProbRow p = rows.probs[j];
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        const half2 ph = __float2half2_rn(p.h[h] * T::kProbScale);
+        const half2 ph = __half2half2(p.h[h]);
 #pragma unroll
         for (int e = 0; e < T::kVec / 2; ++e) pv[h][e] = j == 0 ? __hmul2(ph, vh[e]) : __hfma2(ph, vh[e], pv[h][e]);
       }
@@ -303,7 +342,7 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
     for (int j = 0; j < kTokens; ++j) {
       float vf[T::kVec];
       Vec::to_float(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset), vf);
-      const typename T::ProbRow p = probs[j];
+      const typename T::ProbRow p = rows.probs[j];
 #pragma unroll
       for (int h = 0; h < H; ++h) {
 #pragma unroll
@@ -389,20 +428,23 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   }
 
   // Each thread copies the same kChunksPerThread chunks of every tile: column tid % kBdx of rows
-  // tid / kBdx + c * kRowsPerPass. Branch-free: a row past the range keeps page 0's address and
-  // copies zeros (its validity is recomputed at issue instead of being carried in the offset).
-  // Offsets are in bytes so that issuing a copy is one 64-bit add per tensor.
+  // tid / kBdx + c * kRowsPerPass. Thread r < kTileTokens owns row r's offset. Branch-free: a row
+  // past the range keeps page 0's address and copies zeros (its validity is recomputed at issue
+  // instead of being carried in the offset). Offsets are in bytes so that issuing a copy is one
+  // 64-bit add per tensor.
   constexpr int kRowsPerPass = T::kThreads / T::kBdx;
   const int copy_row = tid / T::kBdx;
   const int copy_col = tid % T::kBdx * T::kVec;
+  const bool row_owner = tid < T::kTileTokens;
   const auto* k_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head + copy_col);
   const auto* v_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.v) + kv_head * p.kv_stride_head + copy_col);
   const int64_t page_bytes = p.kv_stride_page * int64_t(sizeof(DTypeKV));
   const int64_t token_bytes = p.kv_stride_token * int64_t(sizeof(DTypeKV));
   const common::FastDivmod page_size(p.page_size);
   bool bad_page = false;
-  auto row_offset = [&](int tile, int c) -> int64_t {
-    const int token = begin + tile * T::kTileTokens + copy_row + c * kRowsPerPass;
+  auto row_offset = [&](int tile) -> int64_t {  // of the owned row
+    if (!row_owner) return 0;
+    const int token = begin + tile * T::kTileTokens + tid;
     const bool in_range = token < end;
     int page_index, in_page;
     page_size.divmod(token, page_index, in_page);
@@ -412,45 +454,56 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     return int64_t(ok ? static_cast<unsigned>(page) : 0u) * page_bytes +
            int64_t(static_cast<unsigned>(in_page)) * token_bytes;
   };
-  auto issue = [&](int tile, const int64_t (&offsets)[T::kChunksPerThread]) {
+  auto share = [&](int tile, int64_t offset) {
+    if (row_owner) smem.row_offsets[tile % T::kOffsetSlots][tid] = offset;
+  };
+  auto issue = [&](int tile) {
     const int stage = tile % T::kStages;
     const int first_token = begin + tile * T::kTileTokens + copy_row;
+    const int64_t* shared_offsets = smem.row_offsets[tile % T::kOffsetSlots];
+    int64_t offsets[T::kChunksPerThread];
+#pragma unroll
+    for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = shared_offsets[copy_row + c * kRowsPerPass];
 #pragma unroll
     for (int c = 0; c < T::kChunksPerThread; ++c) {
-      const int smem_idx = (copy_row + c * kRowsPerPass) * T::kHeadDim + copy_col;
+      const int row = copy_row + c * kRowsPerPass;
       const bool valid = first_token + c * kRowsPerPass < end;
-      common::cp_async_16(&smem.ring.k[stage][smem_idx], k_src + offsets[c], valid);
-      common::cp_async_16(&smem.ring.v[stage][smem_idx], v_src + offsets[c], valid);
+      common::cp_async_16(&smem.ring.k[stage][row * T::kHeadDim + copy_col], k_src + offsets[c], valid);
+      common::cp_async_16(&smem.ring.v[stage][row * T::kHeadDim + copy_col], v_src + offsets[c], valid);
     }
   };
 
+  // Prologue: the first kStages - 1 tiles' offsets shared and copied, the next one's shared and
+  // the one after that's looked up (the loop's state on entry).
   const int num_tiles = (end - begin + T::kTileTokens - 1) / T::kTileTokens;
-  int64_t offsets[T::kChunksPerThread];
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) share(s, row_offset(s));
+  __syncthreads();
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
-#pragma unroll
-    for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(s, c);
-    if (s < num_tiles) issue(s, offsets);
+    if (s < num_tiles) issue(s);
     common::cp_async_commit();
   }
-#pragma unroll
-  for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(T::kStages - 1, c);
+  __syncthreads();  // the slots are read: the next tiles' offsets may take them
+  share(T::kStages - 1, row_offset(T::kStages - 1));
+  int64_t next_offset = row_offset(T::kStages);
 
   float o[H][T::kVec] = {};
   OwnedHead own;
   for (int tile = 0; tile < num_tiles; ++tile) {
     common::cp_async_wait<T::kStages - 2>();
     __syncthreads();
-    // The stage refilled here was consumed in the previous iteration, which the barrier closed.
+    // The stage refilled here was consumed in the previous iteration, which the barrier closed;
+    // the offset slot written here was last read before it too.
     const int ahead = tile + T::kStages - 1;
-    if (ahead < num_tiles) issue(ahead, offsets);
+    if (ahead < num_tiles) issue(ahead);
     common::cp_async_commit();
-#pragma unroll
-    for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = row_offset(ahead + 1, c);
+    share(ahead + 1, next_offset);
+    next_offset = row_offset(ahead + 2);
 
     const int stage = tile % T::kStages;
     decode_tile<T>(smem.ring.k[stage], smem.ring.v[stage], q, owner, end - begin - tile * T::kTileTokens, p.post_scale,
-                   smem.probs[tz][ty], own, o);
+                   smem.rows[tz][ty], own, o);
   }
   common::cp_async_wait<0>();
 

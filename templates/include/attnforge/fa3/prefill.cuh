@@ -144,7 +144,9 @@ struct PrefillTraits {
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
   static constexpr int kConsumerWarpgroups = !kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64 ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
-  static_assert(!kDecodeItems || (kFp8 && kPagedKV && kConsumerWarpgroups == 2),
+  // Whether the kernel has a decode instantiation (WithDecodeItems) for launch_prefill to pick.
+  static constexpr bool kHasDecodeItems = kFp8 && kPagedKV && kConsumerWarpgroups == 2;
+  static_assert(!kDecodeItems || kHasDecodeItems,
                 "fa3 decode items: warpgroup 1 transposes fp8 V tiles of paged items of <= 64 rows");
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
   // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
@@ -625,7 +627,8 @@ __device__ __forceinline__ void transpose_v_tile(typename T::SharedStorage& smem
                                              dim0 + (shifted ? (i + 2) % 4 : i), 32 * group + 4 * word, stage);
   }
   // ldmatrix and the stores are volatile asm, kept in source order: chunk c + 1's ldmatrix goes
-  // out before chunk c's permutes and stores, so its latency overlaps them.
+  // out before chunk c's stores (ptxas puts it after the chunk's permutes), so its latency
+  // overlaps them.
   auto load_chunk = [&](uint32_t (&keys)[4], int chunk) {
     common::ldmatrix_x4(keys, (src ^ (chunk % kLineChunks * 16)) + chunk / kLineChunks * kBlockBytes);
   };
@@ -1035,7 +1038,9 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kWarpgroups = T::kConsumerWarpgroups;
   int staged = count.staged;
-  const bool transposes = consumer_transposes<T>(w);
+  // Warpgroup 1 alone: with both warpgroups following (an item of no rows, which the planner never
+  // makes), two transposers would arrive on each tile's barriers.
+  const bool transposes = wg == 1 && consumer_transposes<T>(w);
   const common::FastDivmod page_size(T::kPagedKV ? args.p.page_size : 1);
   auto transpose = [&](int n) {
     if constexpr (T::kDecodeItems) {
@@ -1406,7 +1411,7 @@ cudaError_t prefill_occupancy(int* ctas_per_sm) {
 // than the jobs the plan can hold (so a CUDA graph's grid stays fixed: both are static there).
 template <typename T>
 cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
-  if constexpr (T::kFp8 && T::kPagedKV && T::kConsumerWarpgroups == 2 && !T::kDecodeItems) {
+  if constexpr (T::kHasDecodeItems && !T::kDecodeItems) {
     // One query token per request: the decode instantiation (its items of <= 64 rows leave
     // consumer warpgroup 1 free to transpose V; it checks each item's rows itself).
     if (p.q_tokens == p.batch_size) return launch_prefill<typename T::WithDecodeItems>(p, stream);
