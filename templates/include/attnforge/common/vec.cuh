@@ -109,6 +109,11 @@ struct Fp8Vec16 {
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = fp8_pair_to_half2<kFormat>(words[i / 2], i % 2);
   }
+  // The low (pair 0) or high (pair 1) two bytes of `word`, as half2 bits.
+  __device__ __forceinline__ static uint32_t pair_to_half2_bits(uint32_t word, int pair) {
+    const half2 h = fp8_pair_to_half2<kFormat>(word, pair);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
   __device__ __forceinline__ static void to_float(const uint4& raw, float (&out)[16]) {
     half2 pairs[8];
     to_half2(raw, pairs);
