@@ -65,6 +65,7 @@ MODULES = [
     Module(torch.bfloat16, 256),
     Module(torch.float16, 128),
     Module(torch.bfloat16, 128, window=True),
+    Module(torch.bfloat16, 128, soft_cap=True),
     Module(torch.bfloat16, 256, soft_cap=True),
     Module(torch.bfloat16, 256, soft_cap=True, window=True),
 ]

@@ -38,13 +38,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(row)));
 }
 
-// Two matrices (lanes 0-15 give the row addresses), each transposed.
-__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(smem_addr(row)));
-}
-
 // c += a * b for one m16n8k16 tile.
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);

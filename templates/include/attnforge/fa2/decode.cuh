@@ -1,5 +1,5 @@
 // Role: FA2 batch decode over a paged KV cache (one query token per request), on CUDA cores, or
-//   on mma.sync tensor cores for an fp8 cache read by 4-8 heads (decode_mma.cuh).
+//   on mma.sync tensor cores where 4-8 heads read each element (hd 128, decode_mma.cuh).
 //
 // Contract:
 //   grid  = (work_capacity * num_head_tiles, num_kv_heads); block = (kBdx, kBdy, kBdz), 128 threads.
@@ -9,8 +9,9 @@
 //   the KV cache: 8 bf16/fp16 or 16 fp8 elements; q and o, 16-bit, take kVec / 8 vectors), ty a
 //   group of kHeadsPerThread query heads, tz one "token lane" that takes every kBdz-th row of a KV tile.
 //   An fp8 cache is converted on load to fp16 (exact); with a bf16 output it is multiplied in packed
-//   half2 (PackedQuery, decode_tile), else in fp32; at hd 128 with >= 4 heads per CTA each warp is
-//   a token lane of 16 consecutive rows that runs fp16 MMAs instead (kMmaTile, decode_tile_mma).
+//   half2 (PackedQuery, decode_tile), else in fp32. At hd 128 with >= 4 heads per CTA, any cache
+//   type, each warp is instead a token lane of 16 consecutive rows that runs MMAs (kMmaTile,
+//   decode_tile_mma).
 //   Its k_scale folds into score_scale on the host and v_scale multiplies o after the kernel.
 //   K/V tiles stream through a kStages-deep cp.async ring. A row's source offset is looked up once
 //   per tile, by the row's owner thread, two tiles ahead of its copies (a tile in a register for the
@@ -80,25 +81,25 @@ struct DecodeTraits {
   static constexpr int kBdy = kHeadsPerCta / kHeadsPerThread;  // head groups per CTA
   static constexpr int kThreads = 128;
   static constexpr int kBdz = kThreads / (kBdx * kBdy);  // token lanes
+  // Tensor-core tiles (decode_mma.cuh): hd 128 read for 4-8 heads, in 64-token tiles, 16 rows per
+  // warp. The CUDA-core tile spends an FMA per head on each element (and an fp8 cache a conversion
+  // per head group): issue-bound at 4 and 8 heads (fp8: 695 SASS instructions per tile and warp at
+  // 4 heads, 316 here). Same-run A/Bs at batch 64 x kv 4096: fp8 group 4 148 -> 133 us, group 8
+  // 226 -> 136 us; bf16 group 8 321 -> 253 us (group 4 unchanged, at the copy bandwidth).
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && kHeadDim == 128;
+  static constexpr int kMmaChunks = kHeadDim / 16;
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
   // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM
-  // (measured: 385 -> 329 us at batch 64 x kv 4096 against 4 stages at 3 CTAs per SM).
-  static constexpr int kTileTokens = 8192 / (kHeadDim * int(sizeof(DTypeKV)));
+  // (measured: 385 -> 329 us at batch 64 x kv 4096 against 4 stages at 3 CTAs per SM). A 16-bit
+  // tensor-core tile takes 16 KB (64 rows) and 2 CTAs per SM: the same bytes in flight.
+  static constexpr int kTileTokens = kMmaTile ? 16 * kWarps : 8192 / (kHeadDim * int(sizeof(DTypeKV)));
   static constexpr int kTokensPerLane = kTileTokens / kBdz;
   static constexpr int kStages = 3;
-  static constexpr int kMinCtasPerSm = 4;
+  static constexpr int kMinCtasPerSm = 8192 * 4 / (kTileTokens * kHeadDim * int(sizeof(DTypeKV)));
   static constexpr int kChunksPerTile = kTileTokens * kBdx;  // 16-byte chunks in one K (or V) tile
   static constexpr int kChunksPerThread = kChunksPerTile / kThreads;
   static constexpr int kOffsetSlots = kStages - 1;  // tiles whose row offsets wait in shared memory
-  // Tensor-core tiles (decode_mma.cuh): an fp8 cache read for 4-8 heads in 64-token tiles of
-  // 128-byte rows (hd 128), 16 rows per warp. The CUDA-core tile converts each element once per
-  // head group and spends a packed FMA per head on it, issue-bound at 4 and 8 heads (695 SASS
-  // instructions per tile and warp at 4 heads, 316 here). Same-run A/B at batch 64 x kv 4096:
-  // group 4 148 -> 133 us, group 8 226 -> 136 us.
-  static constexpr int kWarps = kThreads / 32;
-  static constexpr bool kMmaTile =
-      sizeof(DTypeKV) == 1 && kHeadsPerCta >= 4 && kBdx == 8 && kTileTokens == 16 * kWarps;
-  static constexpr int kMmaChunks = kHeadDim / 16;
 
   // An fp8 cache spends 1.5 conversions per element to reach fp32 against 2 FMAs of its 2 heads
   // (measured at 61% of copy bandwidth, issue-bound). In fp16 a pair converts in one instruction
@@ -176,7 +177,7 @@ struct DecodeTraits {
       LaneStates lanes;
     };
     LaneGroupRows rows[kBdz][kBdy];  // per lane group, rewritten every tile
-    alignas(16) half mma_probs[kMmaTile ? kWarps : 0][16][8];  // per warp, rewritten every tile
+    alignas(16) uint32_t mma_probs[kMmaTile ? kWarps : 0][32][4];  // per warp: P's two terms, 16 rows of 8 each
     int64_t row_offsets[kOffsetSlots][kTileTokens];  // tile t's in slot t % kOffsetSlots
   };
 };

@@ -1,23 +1,28 @@
-// Role: the FA2 decode kernel's tensor-core tile (DecodeTraits::kMmaTile): an fp8 KV cache read for
-//   4 to 8 query heads, where the CUDA-core tile is issue-bound (it converts each K/V element once
-//   per head group and multiplies it once per head in packed FMAs). Here a warp takes 16 rows of a
-//   64-token tile as its own token lane (its own online softmax, merged after the kv loop like the
-//   CUDA-core tile's token lanes) and runs mma.sync m16n8k16 in fp16 with fp32 accumulation, the
-//   CTA's heads as the MMAs' N (8; rows past the CTA's heads are zero queries, never stored):
+// Role: the FA2 decode kernel's tensor-core tile (DecodeTraits::kMmaTile): hd 128 read for 4 to 8
+//   query heads, where the CUDA-core tile is issue-bound (it multiplies each K/V element once per
+//   head, and converts an fp8 one once per head group). Here a warp takes 16 rows of a 64-token tile
+//   as its own token lane (its own online softmax, merged after the kv loop like the CUDA-core
+//   tile's token lanes) and runs mma.sync m16n8k16 with fp32 accumulation (fp16 for an fp8 cache,
+//   else the cache's type), the CTA's heads as the MMAs' N (8; rows past the CTA's heads are zero
+//   queries, never stored):
 //     S^T (16 tokens x 8 heads) = K (16 x hd, A from the ring) . Q^T (hd x 8, B in registers);
 //     O^T (hd x 8)             += V^T (hd x 16, A from the ring) . P^T (16 x 8, B through shared memory).
-//   Every fp8 element is converted to fp16 (exactly, one cvt per pair) once per CTA.
+//   Every fp8 element is converted to fp16 (exactly, one cvt per pair) once per CTA. P goes in as
+//   two terms of the MMA type, its rounding and the rest, so P.V keeps the CUDA-core tile's fp32
+//   accuracy (bf16 P alone moved o by more than an ulp between split and unsplit runs).
 // Contract (fragment layouts of common/mma.cuh; lane = (g, t) = (lane / 4, lane % 4)):
-//   - the ring holds rows of 128 bytes placed by common::Swizzle128 (DecodeTraits::ring_element);
-//   - K: lane (g, t) reads dims [hd/4 t, hd/4 (t + 1)) of rows g and g + 8, so k index 2t + {0, 1}
+//   - the ring holds rows of whole 128-byte lines placed by common::Swizzle128 (ring_element);
+//   - 16-bit: K by ldmatrix and V^T by ldmatrix.trans, in natural order;
+//   - fp8, K: lane (g, t) reads dims [hd/4 t, hd/4 (t + 1)) of rows g and g + 8, so k index 2t + {0, 1}
 //     (+8) of k-step c is dim hd/4 t + 4c + {0, 1} ({2, 3}); q's B fragments follow the same order
 //     (a dot product does not depend on the order of its dims);
-//   - V: ldmatrix.trans hands out byte pairs (dims 2r, 2r + 1) of two tokens, so row r of dim chunk
-//     ch's A is dim 16 ch + 2r and row r + 8 is dim 16 ch + 2r + 1 (share_mma_state undoes it).
+//   - fp8, V: ldmatrix.trans hands out byte pairs (dims 2r, 2r + 1) of two tokens, so row r of dim
+//     chunk ch's A is dim 16 ch + 2r and row r + 8 is dim 16 ch + 2r + 1 (mma_dim undoes it).
 // Must not: plan, copy or store results; the kernel owns the ring, the lane merge and the stores.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/math.cuh"
 #include "../common/mma.cuh"
@@ -38,6 +43,17 @@ struct MmaQuery {
 
 constexpr float kMmaQueryBound = 0x1p14f;
 
+// The MMAs' 16-bit type: fp16 for an fp8 cache (which it holds exactly), else the cache's.
+template <typename T>
+using MmaType = std::conditional_t<sizeof(typename T::DTypeKV) == 1, half, typename T::DTypeKV>;
+
+// The dim that row `row` (0-15) of O^T's 16-dim chunk `chunk` holds.
+template <typename T>
+__device__ __forceinline__ int mma_dim(int chunk, int row) {
+  if constexpr (sizeof(typename T::DTypeKV) == 1) return 16 * chunk + 2 * (row % 8) + row / 8;
+  return 16 * chunk + row;
+}
+
 // One warp's online softmax for heads 2t and 2t + 1: the max (shared by the lanes of one t), this
 // lane's share of the denominator, and O^T's C fragments, one per 16-dim chunk.
 template <int kChunks>
@@ -52,12 +68,22 @@ __device__ __forceinline__ void load_query_mma(const typename T::Params& p, int 
                                                int lane, MmaQuery<T::kMmaChunks>& q) {
   constexpr int kDims = T::kHeadDim / 4;
   const int g = lane / 4, t = lane % 4;
-  float qf[kDims] = {};
+  const typename T::DTypeQ* q_row = nullptr;
   if (g < T::kHeadsPerCta) {
     const int qo_head = kv_head * p.group_size + min(first_slot + g, p.group_size - 1);
-    const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
-    common::load_float(q_row + kDims * t, qf);
+    q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
   }
+  if constexpr (sizeof(typename T::DTypeKV) == 2) {  // q has the cache's type: its pairs as they are
+    q.unscale = p.score_scale;
+#pragma unroll
+    for (int c = 0; c < T::kMmaChunks; ++c) {
+      q.b[c][0] = q_row ? *reinterpret_cast<const uint32_t*>(q_row + 16 * c + 2 * t) : 0u;
+      q.b[c][1] = q_row ? *reinterpret_cast<const uint32_t*>(q_row + 16 * c + 2 * t + 8) : 0u;
+    }
+    return;
+  }
+  float qf[kDims] = {};
+  if (q_row) common::load_float(q_row + kDims * t, qf);
   float max_abs = 0.f;
 #pragma unroll
   for (int e = 0; e < kDims; ++e) max_abs = fmaxf(max_abs, fabsf(qf[e]));
@@ -73,34 +99,99 @@ __device__ __forceinline__ void load_query_mma(const typename T::Params& p, int 
   }
 }
 
-// One 64-token tile for warp `warp`: its rows 16 warp .. + 15. probs is the warp's P buffer.
+// S^T = K Q^T for warp `warp`'s 16 rows: s[0..1] = (token row g, heads 2t, 2t + 1), s[2..3] =
+// (token row g + 8, same heads).
+template <typename T>
+__device__ __forceinline__ void scores_mma(const uint8_t* k_tile, const MmaQuery<T::kMmaChunks>& q, int warp, int lane,
+                                           float (&s)[4]) {
+  using Swizzle = common::Swizzle128<T::kBdx>;
+  const int matrix = lane / 8;  // ldmatrix: the matrix this lane gives a row address of
+  if constexpr (sizeof(typename T::DTypeKV) == 2) {
+#pragma unroll
+    for (int c = 0; c < T::kMmaChunks; ++c) {  // matrices (rows 0-7 | 8-15) x (dims 16c.. | 16c + 8..)
+      uint32_t a[4];
+      common::ldmatrix_x4(a, k_tile + 16 * Swizzle::cell(16 * warp + 8 * (matrix % 2) + lane % 8, 2 * c + matrix / 2));
+      common::mma_m16n8k16<MmaType<T>>(s, a, q.b[c][0], q.b[c][1]);
+    }
+  } else {
+    using Vec = common::Vec16<typename T::DTypeKV>;
+    constexpr int kCellsPerLane = T::kBdx / 4;  // 16-byte cells of a K row per lane
+    const int row = 16 * warp + lane / 4, t = lane % 4;
+#pragma unroll
+    for (int cell = 0; cell < kCellsPerLane; ++cell) {
+      const int col = kCellsPerLane * t + cell;
+      const uint4 k_top = *reinterpret_cast<const uint4*>(k_tile + 16 * Swizzle::cell(row, col));
+      const uint4 k_bottom = *reinterpret_cast<const uint4*>(k_tile + 16 * Swizzle::cell(row + 8, col));
+      const uint32_t* top = reinterpret_cast<const uint32_t*>(&k_top);
+      const uint32_t* bottom = reinterpret_cast<const uint32_t*>(&k_bottom);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t a[4] = {Vec::pair_to_half2_bits(top[w], 0), Vec::pair_to_half2_bits(bottom[w], 0),
+                               Vec::pair_to_half2_bits(top[w], 1), Vec::pair_to_half2_bits(bottom[w], 1)};
+        common::mma_m16n8k16<half>(s, a, q.b[4 * cell + w][0], q.b[4 * cell + w][1]);
+      }
+    }
+  }
+}
+
+// O^T += V^T P^T for warp `warp`'s 16 rows (p_frag: P^T's B fragments, its two terms).
+template <typename T>
+__device__ __forceinline__ void accumulate_pv_mma(const uint8_t* v_tile, const uint32_t (&p_frag)[4], int warp, int lane,
+                                                  float (&o)[T::kMmaChunks][4]) {
+  using Swizzle = common::Swizzle128<T::kBdx>;
+  const int matrix = lane / 8;
+  if constexpr (sizeof(typename T::DTypeKV) == 2) {
+    // ldmatrix.trans of (tokens 0-7 | 8-15) x (dims 16ch.. | 16ch + 8..) is A as it is.
+#pragma unroll
+    for (int ch = 0; ch < T::kMmaChunks; ++ch) {
+      uint32_t a[4];
+      common::ldmatrix_x4_trans(a, v_tile + 16 * Swizzle::cell(16 * warp + 8 * (matrix / 2) + lane % 8, 2 * ch + matrix % 2));
+      common::mma_m16n8k16<MmaType<T>>(o[ch], a, p_frag[0], p_frag[1]);
+      common::mma_m16n8k16<MmaType<T>>(o[ch], a, p_frag[2], p_frag[3]);
+    }
+  } else {
+    // Two 16-dim chunks per ldmatrix: matrix m holds tokens 8 (m % 2) .. + 7 of cell 2 pair + m / 2;
+    // a lane's word of it is (tokens 2t, 2t + 1) x (dims 2g, 2g + 1), which one byte permute splits
+    // into dim 2g's and dim 2g + 1's token pairs.
+    using Vec = common::Vec16<typename T::DTypeKV>;
+#pragma unroll
+    for (int pair = 0; pair < T::kMmaChunks / 2; ++pair) {
+      uint32_t v[4];
+      common::ldmatrix_x4_trans(
+          v, v_tile + 16 * Swizzle::cell(16 * warp + 8 * (matrix % 2) + lane % 8, 2 * pair + matrix / 2));
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+        const uint32_t top = __byte_perm(v[2 * part], 0u, 0x3120u);         // tokens 2t, 2t + 1
+        const uint32_t bottom = __byte_perm(v[2 * part + 1], 0u, 0x3120u);  // tokens 2t + 8, 2t + 9
+        const uint32_t a[4] = {Vec::pair_to_half2_bits(top, 0), Vec::pair_to_half2_bits(top, 1),
+                               Vec::pair_to_half2_bits(bottom, 0), Vec::pair_to_half2_bits(bottom, 1)};
+        common::mma_m16n8k16<half>(o[2 * pair + part], a, p_frag[0], p_frag[1]);
+        common::mma_m16n8k16<half>(o[2 * pair + part], a, p_frag[2], p_frag[3]);
+      }
+    }
+  }
+}
+
+// P's two terms as pairs of the MMA type: `rounded` = p in it, `rest` = what that rounding lost.
+template <typename T>
+__device__ __forceinline__ void split_probs(float p0, float p1, uint32_t& rounded, uint32_t& rest) {
+  using Mma = MmaType<T>;
+  const float r0 = float(Mma(p0)), r1 = float(Mma(p1));
+  rounded = common::pack2<Mma>(r0, r1);  // exact
+  rest = common::pack2<Mma>(p0 - r0, p1 - r1);
+}
+
+// One 64-token tile for warp `warp`: its rows 16 warp .. + 15. probs is the warp's P buffer: rows
+// 0-15 P's rounded term, 16-31 its rest, [token][head].
 template <typename T>
 __device__ __forceinline__ void decode_tile_mma(const uint8_t* k_tile, const uint8_t* v_tile,
                                                 const MmaQuery<T::kMmaChunks>& q, int valid_rows, float post_scale,
-                                                half (&probs)[16][8], int warp, int lane,
+                                                uint32_t (&probs)[32][4], int warp, int lane,
                                                 MmaState<T::kMmaChunks>& st) {
-  using Vec = common::Vec16<typename T::DTypeKV>;
-  using Swizzle = common::Swizzle128<T::kBdx>;
-  constexpr int kCellsPerLane = T::kBdx / 4;  // 16-byte cells of a K row per lane
   const int g = lane / 4, t = lane % 4;
   const int row = 16 * warp + g;
-
-  // S^T = K Q^T: s[0..1] = (token row, heads 2t, 2t + 1), s[2..3] = (token row + 8, same heads).
   float s[4] = {};
-#pragma unroll
-  for (int cell = 0; cell < kCellsPerLane; ++cell) {
-    const int col = kCellsPerLane * t + cell;
-    const uint4 k_top = *reinterpret_cast<const uint4*>(k_tile + 16 * Swizzle::cell(row, col));
-    const uint4 k_bottom = *reinterpret_cast<const uint4*>(k_tile + 16 * Swizzle::cell(row + 8, col));
-    const uint32_t* top = reinterpret_cast<const uint32_t*>(&k_top);
-    const uint32_t* bottom = reinterpret_cast<const uint32_t*>(&k_bottom);
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t a[4] = {Vec::pair_to_half2_bits(top[w], 0), Vec::pair_to_half2_bits(bottom[w], 0),
-                             Vec::pair_to_half2_bits(top[w], 1), Vec::pair_to_half2_bits(bottom[w], 1)};
-      common::mma_m16n8k16<half>(s, a, q.b[4 * cell + w][0], q.b[4 * cell + w][1]);
-    }
-  }
+  scores_mma<T>(k_tile, q, warp, lane, s);
 
   // Online softmax per head over the warp's 16 tokens (a head's 4 values per lane group of one t).
 #pragma unroll
@@ -129,31 +220,19 @@ __device__ __forceinline__ void decode_tile_mma(const uint8_t* k_tile, const uin
     }
   }
 
-  // P^T as B: P (fp16, at most 1) stored [token][head], read back transposed.
-  common::store_shared_u32(common::smem_addr(&probs[g][2 * t]), common::pack2<half>(s[0], s[1]));
-  common::store_shared_u32(common::smem_addr(&probs[g + 8][2 * t]), common::pack2<half>(s[2], s[3]));
+  // P^T as B: P's terms stored [token][head], read back transposed (matrices: rounded tokens 0-7,
+  // 8-15, rest tokens 0-7, 8-15).
+  uint32_t rounded, rest;
+  split_probs<T>(s[0], s[1], rounded, rest);
+  common::store_shared_u32(common::smem_addr(&probs[g][t]), rounded);
+  common::store_shared_u32(common::smem_addr(&probs[16 + g][t]), rest);
+  split_probs<T>(s[2], s[3], rounded, rest);
+  common::store_shared_u32(common::smem_addr(&probs[g + 8][t]), rounded);
+  common::store_shared_u32(common::smem_addr(&probs[16 + g + 8][t]), rest);
   __syncwarp();
-  uint32_t p_frag[2];
-  common::ldmatrix_x2_trans(p_frag, &probs[lane % 16][0]);
-
-  // O^T += V^T P^T, two 16-dim chunks per ldmatrix: matrix m holds tokens 8 (m % 2) .. + 7 of cell
-  // 2 pair + m / 2; a lane's word of it is (tokens 2t, 2t + 1) x (dims 2g, 2g + 1), which one
-  // byte permute splits into dim 2g's and dim 2g + 1's token pairs.
-#pragma unroll
-  for (int pair = 0; pair < T::kMmaChunks / 2; ++pair) {
-    const int matrix = lane / 8;
-    uint32_t v[4];
-    common::ldmatrix_x4_trans(
-        v, v_tile + 16 * Swizzle::cell(16 * warp + 8 * (matrix % 2) + lane % 8, 2 * pair + matrix / 2));
-#pragma unroll
-    for (int part = 0; part < 2; ++part) {
-      const uint32_t top = __byte_perm(v[2 * part], 0u, 0x3120u);         // tokens 2t, 2t + 1
-      const uint32_t bottom = __byte_perm(v[2 * part + 1], 0u, 0x3120u);  // tokens 2t + 8, 2t + 9
-      const uint32_t a[4] = {Vec::pair_to_half2_bits(top, 0), Vec::pair_to_half2_bits(top, 1),
-                             Vec::pair_to_half2_bits(bottom, 0), Vec::pair_to_half2_bits(bottom, 1)};
-      common::mma_m16n8k16<half>(st.o[2 * pair + part], a, p_frag[0], p_frag[1]);
-    }
-  }
+  uint32_t p_frag[4];
+  common::ldmatrix_x4_trans(p_frag, &probs[lane][0]);
+  accumulate_pv_mma<T>(v_tile, p_frag, warp, lane, st.o);
 }
 
 // The warp's state after the kv loop into the kernel's token-lane slot `warp` (LaneStates), in
@@ -168,8 +247,8 @@ __device__ __forceinline__ void share_mma_state(MmaState<T::kMmaChunks>& st, Lan
     if (head >= T::kHeadsPerCta) continue;
 #pragma unroll
     for (int ch = 0; ch < T::kMmaChunks; ++ch) {
-      lanes.o[warp][head][16 * ch + 2 * g] = st.o[ch][h];
-      lanes.o[warp][head][16 * ch + 2 * g + 1] = st.o[ch][2 + h];
+      lanes.o[warp][head][mma_dim<T>(ch, g)] = st.o[ch][h];
+      lanes.o[warp][head][mma_dim<T>(ch, g + 8)] = st.o[ch][2 + h];
     }
     if (g == 0) {
       lanes.m[warp][head] = st.m[h];
