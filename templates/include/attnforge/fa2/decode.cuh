@@ -1,5 +1,5 @@
 // Role: FA2 batch decode over a paged KV cache (one query token per request), on CUDA cores, or
-//   on mma.sync tensor cores where 4-8 heads read each element (hd 128, decode_mma.cuh).
+//   on mma.sync tensor cores where 4-8 heads read each element (hd <= 128, decode_mma.cuh).
 //
 // Contract:
 //   grid  = (work_capacity * num_head_tiles, num_kv_heads); block = (kBdx, kBdy, kBdz), 128 threads.
@@ -9,9 +9,9 @@
 //   the KV cache: 8 bf16/fp16 or 16 fp8 elements; q and o, 16-bit, take kVec / 8 vectors), ty a
 //   group of kHeadsPerThread query heads, tz one "token lane" that takes every kBdz-th row of a KV tile.
 //   An fp8 cache is converted on load to fp16 (exact); with a bf16 output it is multiplied in packed
-//   half2 (PackedQuery, decode_tile), else in fp32. At hd 128 with >= 4 heads per CTA, any cache
-//   type, each warp is instead a token lane of 16 consecutive rows that runs MMAs (kMmaTile,
-//   decode_tile_mma).
+//   half2 (PackedQuery, decode_tile), else in fp32. With >= 4 heads per CTA and rows of whole
+//   128-byte lines (16-bit hd 64 and 128, fp8 hd 128) each warp is instead a token lane of 16
+//   consecutive rows that runs MMAs (kMmaTile, decode_tile_mma).
 //   Its k_scale folds into score_scale on the host and v_scale multiplies o after the kernel.
 //   K/V tiles stream through a kStages-deep cp.async ring. A row's source offset is looked up once
 //   per tile, by the row's owner thread, two tiles ahead of its copies (a tile in a register for the
@@ -81,13 +81,16 @@ struct DecodeTraits {
   static constexpr int kBdy = kHeadsPerCta / kHeadsPerThread;  // head groups per CTA
   static constexpr int kThreads = 128;
   static constexpr int kBdz = kThreads / (kBdx * kBdy);  // token lanes
-  // Tensor-core tiles (decode_mma.cuh): hd 128 read for 4-8 heads, in 64-token tiles, 16 rows per
-  // warp. The CUDA-core tile spends an FMA per head on each element (and an fp8 cache a conversion
-  // per head group): issue-bound at 4 and 8 heads (fp8: 695 SASS instructions per tile and warp at
-  // 4 heads, 316 here). Same-run A/Bs at batch 64 x kv 4096: fp8 group 4 148 -> 133 us, group 8
-  // 226 -> 136 us; bf16 group 8 321 -> 253 us (group 4 unchanged, at the copy bandwidth).
+  // Tensor-core tiles (decode_mma.cuh): rows of whole 128-byte lines (16-bit hd 64 and 128, fp8
+  // hd 128) read for 4-8 heads, in 64-token tiles, 16 rows per warp. The CUDA-core tile spends an
+  // FMA per head on each element (and an fp8 cache a conversion per head group): issue-bound at 4
+  // and 8 heads (fp8: 695 SASS instructions per tile and warp at 4 heads, 316 here). Same-run A/Bs
+  // at batch 64 x kv 4096: fp8 hd 128 group 4 148 -> 133 us, group 8 226 -> 136 us; bf16 hd 128
+  // group 8 321 -> 253 us (group 4 unchanged, at the copy bandwidth); bf16 hd 64 group 4 136 -> 132
+  // us, group 8 176 -> 132 us. fp8 hd 256 (256-byte rows at 2 CTAs per SM) failed its GPU tests
+  // that way and keeps the CUDA-core tile, as do fp8 hd 64 (64-byte rows) and 16-bit hd 256.
   static constexpr int kWarps = kThreads / 32;
-  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && kHeadDim == 128;
+  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && kBdx % 8 == 0 && kHeadDim <= 128;
   static constexpr int kMmaChunks = kHeadDim / 16;
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
   // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM
