@@ -1,7 +1,7 @@
-// Role: the FA2 decode kernel's tensor-core tile (DecodeTraits::kMmaTile): 128-byte rows (16-bit
-//   hd 64 and 128, fp8 hd 128) read for 4 to 8 query heads, where the CUDA-core tile is issue-bound (it multiplies each K/V element once per
-//   head, and converts an fp8 one once per head group). Here a warp takes 16 rows of a 64-token tile
-//   as its own token lane (its own online softmax, merged after the kv loop like the CUDA-core
+// Role: the FA2 decode kernel's tensor-core tile (DecodeTraits::kMmaTile): rows of whole 128-byte
+//   lines (16-bit hd 64 and 128, fp8 hd 128) read for 4 to 8 query heads, where the CUDA-core tile
+//   is issue-bound (it multiplies each K/V element once per head, and converts an fp8 one once per
+//   head group). Here a warp takes 16 rows of a 64-token tile as its own token lane (its own online softmax, merged after the kv loop like the CUDA-core
 //   tile's token lanes) and runs mma.sync m16n8k16 with fp32 accumulation (fp16 for an fp8 cache,
 //   else the cache's type), the CTA's heads as the MMAs' N (8; rows past the CTA's heads are zero
 //   queries, never stored):
@@ -31,10 +31,11 @@
 
 namespace attnforge::fa2 {
 
-// q's B fragments: k-step c's b[c][0] holds dims 4c, 4c + 1 and b[c][1] dims 4c + 2, 4c + 3 of
-// this lane's hd / 4, for head g; all of q times one power of two that puts its max |q| at most
-// kMmaQueryBound (a bf16 q is then exact in fp16, and the products sum in fp32). unscale turns a
-// sum into a base-2 logit.
+// q's B fragments for head g, k-step c: 16-bit, b[c][0] holds dims 16c + 2t, + 1 and b[c][1] dims
+// 16c + 2t + 8, + 9 (natural order), as q is; fp8, b[c][0] holds dims 4c, 4c + 1 and b[c][1] dims
+// 4c + 2, 4c + 3 of this lane's hd / 4 (the K order), all of q in fp16 times one power of two that
+// puts its max |q| at most kMmaQueryBound (a bf16 q is then exact in fp16, and the products sum in
+// fp32). unscale turns a sum into a base-2 logit.
 template <int kKSteps>
 struct MmaQuery {
   uint32_t b[kKSteps][2];
