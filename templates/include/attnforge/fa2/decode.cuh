@@ -87,8 +87,9 @@ struct DecodeTraits {
   // and 8 heads (fp8: 695 SASS instructions per tile and warp at 4 heads, 316 here). Same-run A/Bs
   // at batch 64 x kv 4096: fp8 hd 128 group 4 148 -> 133 us, group 8 226 -> 136 us; bf16 hd 128
   // group 8 321 -> 253 us (group 4 unchanged, at the copy bandwidth); bf16 hd 64 group 4 136 -> 132
-  // us, group 8 176 -> 132 us. fp8 hd 256 (256-byte rows at 2 CTAs per SM) failed its GPU tests
-  // that way and keeps the CUDA-core tile, as do fp8 hd 64 (64-byte rows) and 16-bit hd 256.
+  // us, group 8 176 -> 132 us. fp8 hd 256 keeps the CUDA-core tile (its 8-head variant has 2 token
+  // lanes of LaneStates for the tile's 4 warps: the static_assert below), as do fp8 hd 64 (64-byte
+  // rows) and 16-bit hd 256.
   static constexpr int kWarps = kThreads / 32;
   static constexpr bool kMmaTile = kHeadsPerCta >= 4 && kBdx % 8 == 0 && kHeadDim <= 128;
   static constexpr int kMmaChunks = kHeadDim / 16;
