@@ -22,6 +22,14 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
+// The largest power of two s with max_abs * s <= bound, for scaling values into a narrower type's
+// range exactly (1 when max_abs is 0). Masking a positive normal float to its exponent bits rounds
+// it down to a power of two; the clamp keeps a near-zero max_abs from asking for an infinite one.
+__device__ __forceinline__ float pow2_scale_within(float bound, float max_abs) {
+  const float room = max_abs > 0.f ? fminf(bound / max_abs, 0x1p100f) : 1.f;
+  return __uint_as_float(__float_as_uint(room) & 0x7f800000u);
+}
+
 // Sum / max over the kLanes lanes l ^ (kStride * i), i < kLanes: lanes that differ only in the
 // lane-index bits [kStride, kStride * kLanes). kStride = 1 reduces over consecutive lanes.
 template <int kLanes, int kStride = 1>

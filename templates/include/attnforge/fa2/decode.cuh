@@ -401,11 +401,7 @@ __device__ __forceinline__ void pack_query(const float (&qf)[T::kHeadsPerThread]
 #pragma unroll
     for (int e = 0; e < T::kVec; ++e) max_abs = fmaxf(max_abs, fabsf(qf[h][e]));
   }
-  max_abs = common::lane_group_max<T::kBdx>(max_abs);
-  // Masking a positive normal float to its exponent bits rounds it down to a power of two; the
-  // clamp keeps a near-zero q from asking for an infinite one.
-  const float room = max_abs > 0.f ? fminf(T::kQueryBound / max_abs, 0x1p100f) : 1.f;
-  const float scale = __uint_as_float(__float_as_uint(room) & 0x7f800000u);
+  const float scale = common::pow2_scale_within(T::kQueryBound, common::lane_group_max<T::kBdx>(max_abs));
   q.unscale = score_scale / scale;
 #pragma unroll
   for (int h = 0; h < T::kHeadsPerThread; ++h) {

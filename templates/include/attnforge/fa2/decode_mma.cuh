@@ -88,10 +88,7 @@ __device__ __forceinline__ void load_query_mma(const typename T::Params& p, int 
   float max_abs = 0.f;
 #pragma unroll
   for (int e = 0; e < kDims; ++e) max_abs = fmaxf(max_abs, fabsf(qf[e]));
-  max_abs = common::lane_group_max<32>(max_abs);
-  // As pack_query: the exponent bits of the room left round it down to a power of two.
-  const float room = max_abs > 0.f ? fminf(kMmaQueryBound / max_abs, 0x1p100f) : 1.f;
-  const float scale = __uint_as_float(__float_as_uint(room) & 0x7f800000u);
+  const float scale = common::pow2_scale_within(kMmaQueryBound, common::lane_group_max<32>(max_abs));
   q.unscale = p.score_scale / scale;
 #pragma unroll
   for (int c = 0; c < T::kMmaChunks; ++c) {
