@@ -443,7 +443,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   // 64-bit add per tensor.
   constexpr int kRowsPerPass = T::kThreads / T::kBdx;
   const int copy_row = tid / T::kBdx;
-  const int copy_col = tid % T::kBdx * T::kVec;
+  const int copy_cell = tid % T::kBdx;
+  const int copy_col = copy_cell * T::kVec;
   const bool row_owner = tid < T::kTileTokens;
   const auto* k_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head + copy_col);
   const auto* v_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.v) + kv_head * p.kv_stride_head + copy_col);
@@ -477,7 +478,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     for (int c = 0; c < T::kChunksPerThread; ++c) {
       const int row = copy_row + c * kRowsPerPass;
       const bool valid = first_token + c * kRowsPerPass < end;
-      const int element = T::ring_element(row, tid % T::kBdx);
+      const int element = T::ring_element(row, copy_cell);
       common::cp_async_16(&smem.ring.k[stage][element], k_src + offsets[c], valid);
       common::cp_async_16(&smem.ring.v[stage][element], v_src + offsets[c], valid);
     }
