@@ -168,7 +168,8 @@ struct PrefillTraits {
   static constexpr int kTableBytes = kPagedKV ? kBlockN * 8 : 0;
   // FP8 V tiles come by TMA as rows into staging buffers, which the producer transposes into the
   // stage (transpose_v_tile) while the next tiles' rows land in the others: four where they fit
-  // (hd 128; a decode CTA computes so little per tile that its loads need that much lead), else two.
+  // (hd 128: prefill requests rows up to three tiles ahead, and in decode items warpgroup 1's
+  // transposes may trail the producer by as much), else two.
   static constexpr int kVStaging =
       !kFp8 ? 0 : (kQBytes + 3 * kStageBytes + 4 * kTileBytesV + kTableBytes + 2048 <= 227 * 1024 ? 4 : 2);
   static constexpr int kStagingBytes = kVStaging * kTileBytesV;
@@ -676,11 +677,26 @@ __device__ __forceinline__ void load_v_tile_transposed(uint8_t* smem_base, const
 }
 
 // The whole warpgroup's plain stores into a stage are done: made visible to the wgmma (async
-// proxy), then thread 0 arrives on `full` for all.
-__device__ __forceinline__ void arrive_stored(uint64_t* full, int producer_threads, int tid) {
+// proxy), the warpgroup met on its named barrier, then its thread 0 arrives on `full` for all.
+__device__ __forceinline__ void arrive_stored(uint64_t* full, int barrier, int tid) {
   cutlass::arch::fence_view_async_shared();
-  cutlass::arch::NamedBarrier::sync(producer_threads, kBarrierProducer);
+  cutlass::arch::NamedBarrier::sync(128, barrier);
   if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
+}
+
+// A boxed fp8 tile's V rows, once they and the stage are ready, transposed from their staging
+// buffer (number `staged` of the CTA) into the stage; then v_full and, in decode items, the
+// buffer's release. By the producer warpgroup, or in decode items by consumer warpgroup 1
+// (`barrier`: the transposing warpgroup's own named barrier; `tid` its thread).
+template <typename T>
+__device__ __forceinline__ void transpose_staged_v(typename T::SharedStorage& smem, int staged, int stage,
+                                                   uint32_t free_phase, int tid, int barrier) {
+  const int buffer = staged % T::kVStaging;
+  cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (staged / T::kVStaging) & 1);
+  cutlass::arch::ClusterBarrier::wait(&smem.v_empty[stage], free_phase);
+  transpose_v_tile<T>(smem, buffer, stage, tid);
+  arrive_stored(&smem.v_full[stage], barrier, tid);
+  if (T::kDecodeItems && tid == 0) cutlass::arch::ClusterBarrier::arrive(&smem.v_rows_empty[buffer]);
 }
 
 // The whole warpgroup's cp.async copies into a stage are done: count them on `full`, which
@@ -751,14 +767,21 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     const int first = w.begin + n * T::kBlockN;
     if (tile_is_boxed<T>(args, w, page_size, first)) {
       if constexpr (T::kFp8) {
-        // V rows for this tile and the boxed tiles right after it, as far as the staging buffers
-        // reach (tile n + i takes buffer (staged + i) % kVStaging, whose last tile was transposed
-        // before an earlier barrier), so their latency hides behind the transposes; then K. K's
-        // page ids are read first, so their latency overlaps the later V rows'; tile n's own V rows
-        // reuse them.
+        // Prefill: V rows for this tile and the boxed tiles right after it, as far as the staging
+        // buffers reach (tile n + i takes buffer (staged + i) % kVStaging, whose last tile was
+        // transposed before an earlier barrier), so their latency hides behind the transposes;
+        // then K. K's page ids are read first, so their latency overlaps the later V rows'; tile
+        // n's own V rows reuse them.
+        // Decode items: K first, then this tile's V rows alone. Rows requested ahead wait for
+        // their buffers' transposes by warpgroup 1, which trail warpgroup 0's tiles, and K issued
+        // behind them came late (ncu: warpgroup 0 waited on k_full a third of its time); same-run
+        // A/B 170 -> 159 us with K first, 155 without looking ahead. In prefill, K first cost the
+        // paged tiles 2%.
         const TileBoxes k_boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, kv_read_once, bad_page);
+        if constexpr (T::kDecodeItems) load_kv_tile_tma<T>(smem, args, k_boxes, stage, free_phase, kv_head);
+        constexpr int kVAhead = T::kDecodeItems ? 1 : T::kVStaging;  // tiles whose V rows one pass may request
         unrequested = max(unrequested, n);
-        while (unrequested < num_tiles && unrequested - n < T::kVStaging &&
+        while (unrequested < num_tiles && unrequested - n < kVAhead &&
                tile_is_boxed<T>(args, w, page_size, w.begin + unrequested * T::kBlockN)) {
           const int ahead = unrequested - n;
           const TileBoxes v_boxes = ahead == 0 ? k_boxes
@@ -771,16 +794,9 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
           box_v_rows<T>(smem, args, v_boxes, staged % T::kVStaging, kv_head);
           ++unrequested;
         }
-        load_kv_tile_tma<T>(smem, args, k_boxes, stage, free_phase, kv_head);
+        if constexpr (!T::kDecodeItems) load_kv_tile_tma<T>(smem, args, k_boxes, stage, free_phase, kv_head);
         __syncwarp();  // lanes without boxes left early; ldmatrix and bar.sync below need the whole warp
-        if (!by_consumer) {
-          const int buffer = count.staged % T::kVStaging;
-          cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (count.staged / T::kVStaging) & 1);
-          Barrier::wait(&smem.v_empty[stage], free_phase);
-          transpose_v_tile<T>(smem, buffer, stage, tid);
-          arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
-          if (T::kDecodeItems && tid == 0) Barrier::arrive(&smem.v_rows_empty[buffer]);
-        }
+        if (!by_consumer) transpose_staged_v<T>(smem, count.staged, stage, free_phase, tid, kBarrierProducer);
         ++count.staged;
       } else {
         const TileBoxes boxes = tile_boxes<T>(args, page_ids, page_size, kv_token_base, first, kv_read_once, bad_page);
@@ -815,7 +831,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     Barrier::wait(&smem.v_empty[stage], free_phase);
     if constexpr (T::kFp8) {
       load_v_tile_transposed<T>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), stage);
-      arrive_stored(&smem.v_full[stage], T::kProducerThreads, tid);
+      arrive_stored(&smem.v_full[stage], kBarrierProducer, tid);
     } else {
       load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), [&](int row, int cell) {
         return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * T::kCellElements, row, stage);
@@ -868,14 +884,18 @@ struct KeyMask {
 // m only moves when a tile's max exceeds it by more than `max_lag`: below that the weights stay
 // under 2^(offset + max_lag), which P's type holds, and alpha stays exactly 1, so o is rescaled
 // only on the few tiles that raise a row's max that far.
+// A row that is not `live` (its warp's rows all lie past the item's) is left as it is: its P only
+// reaches o rows that are never stored.
 template <typename TensorS>
 __device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], const float (&scale)[2],
-                                               float offset, float max_lag, float (&alpha)[2]) {
+                                               float offset, float max_lag, const bool (&live)[2], float (&alpha)[2]) {
   using namespace cute;
   static_assert(decltype(size<0>(s))::value == 2, "fa3: two rows per thread");
   static_assert(decltype(size<1>(s))::value % 4 == 0, "fa3: a row's columns split into four running maxima");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    alpha[r] = 1.f;
+    if (!live[r]) continue;
     // Four running maxima: one chain through all the columns would put its every FMNMX latency
     // on the softmax's critical path.
     float part_max[4] = {common::kNegInf, common::kNegInf, common::kNegInf, common::kNegInf};
@@ -914,7 +934,7 @@ __device__ __forceinline__ void rescale_rows(TensorO& o, const float (&alpha)[2]
 // FP8 packs four per register, row r's two column pairs of two 8-column blocks, then row r + 8's
 // (S values 0 1 4 5 | 2 3 6 7 of each 8): the keys p_key_of_slot gives V's rows.
 template <typename T, typename TensorS, typename TensorP>
-__device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag) {
+__device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag, const bool (&live)[2]) {
   static_assert(decltype(cute::size(p_frag))::value == decltype(cute::size(s_acc))::value, "fa3: P and S fragments differ");
   auto words = cute::recast<uint32_t>(p_frag);
   if constexpr (T::kFp8) {
@@ -924,12 +944,15 @@ __device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag)
       return lo | (hi << 16);
     };
 #pragma unroll
-    for (int i = 0; i < cute::size(words); i += 2) {
-      const int s = 4 * i;
-      words(i) = pack4(s_acc(s), s_acc(s + 1), s_acc(s + 4), s_acc(s + 5));
-      words(i + 1) = pack4(s_acc(s + 2), s_acc(s + 3), s_acc(s + 6), s_acc(s + 7));
+    for (int r = 0; r < 2; ++r) {  // row r's words are the even ones, row r + 8's the odd ones
+      if (!live[r]) continue;
+#pragma unroll
+      for (int i = r; i < cute::size(words); i += 2) {
+        const int s = 4 * (i - r) + 2 * r;
+        words(i) = pack4(s_acc(s), s_acc(s + 1), s_acc(s + 4), s_acc(s + 5));
+      }
     }
-  } else {
+  } else {  // no 16-bit kernel has decode items: every row is live
 #pragma unroll
     for (int i = 0; i < cute::size(words); ++i) words(i) = common::pack2<typename T::DTypeKV>(s_acc(2 * i), s_acc(2 * i + 1));
   }
@@ -1045,17 +1068,8 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
   auto transpose = [&](int n) {
     if constexpr (T::kDecodeItems) {
       if (!transposes || !tile_is_boxed<T>(args, w, page_size, w.begin + n * T::kBlockN)) return;
-      const int buffer = staged % T::kVStaging, stage = count.stage(n);
       const int tid = int(threadIdx.x) - T::kProducerThreads - 128 * wg;
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (staged / T::kVStaging) & 1);
-      Barrier::wait(&smem.v_empty[stage], count.phase(n) ^ 1);
-      transpose_v_tile<T>(smem, buffer, stage, tid);
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(128, kBarrierTransposer);
-      if (tid == 0) {
-        Barrier::arrive(&smem.v_full[stage]);
-        Barrier::arrive(&smem.v_rows_empty[buffer]);
-      }
+      transpose_staged_v<T>(smem, staged, count.stage(n), count.phase(n) ^ 1, tid, kBarrierTransposer);
       ++staged;
     }
   };
@@ -1169,13 +1183,22 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
     Barrier::wait(bar, phase);
     cutlass::arch::fence_view_async_shared();  // cp.async wrote the tile through the generic proxy
   };
+  // Which of the thread's two rows (r: rows 8 apart) some stored row can be among, alike in the
+  // whole warp. A decode item's group fills a few rows of warp 0 (group 4: rows 0-3), and skipping
+  // the rest halves warp 0's softmax and frees warps 1-3's issue slots for the producer and the
+  // transposing warpgroup. Prefill tiles keep every row (no per-tile test).
+  bool live[2] = {true, true};
+  if constexpr (T::kDecodeItems) {
+    const int warp_first_row = warp_uniform(ctid) / 32 * 16;  // the warp's 16 rows of the CTA's tile
+    for (int r = 0; r < 2; ++r) live[r] = warp_first_row + 8 * r < w.rows;
+  }
   // Scale, mask and softmax tile n's scores in place; returns o's rescale factors in alpha.
   auto softmax_tile = [&](auto& s_acc, int n, float (&alpha)[2]) {
     const int first = w.begin + n * T::kBlockN;
     Tensor s = make_tensor(s_acc.data(), rowcol(s_acc.layout()));
     float scale[2];
     transform_scores<T>(p, mask, mask.tile_needs_mask(first), first, q_pos, score_scale, s, s_coord, scale);
-    online_softmax(s, m, d, scale, T::kPExponentOffset, T::kMaxLag, alpha);
+    online_softmax(s, m, d, scale, T::kPExponentOffset, T::kMaxLag, live, alpha);
   };
 
   // Software pipeline (FA3 intra-warpgroup overlap): iteration n issues S_n = Q K_n^T and
@@ -1195,6 +1218,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
   } else {
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     Tensor tOrP = make_tensor<typename T::ElementP>(typename T::FragmentPShape{});
+    if constexpr (T::kDecodeItems) clear(tOrP);  // rows never live keep these zeros
     float alpha[2];
     scheduler_open<kWarpgroups>(wg);  // warpgroup 0 issues first
     Barrier::wait(&smem.q_full, count.items & 1);
@@ -1207,7 +1231,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
     Barrier::arrive(&smem.k_empty[count.stage(0)]);
     if (num_tiles == 1) Barrier::arrive(&smem.q_empty);
     softmax_tile(tSrS, 0, alpha);  // o is still zero: no rescale
-    convert_p<T>(tSrS, tOrP);
+    convert_p<T>(tSrS, tOrP, live);
     if (num_tiles > 1) wait_full(&smem.k_full[count.stage(1)], count.phase(1));
 
     for (int n = 1; n < num_tiles; ++n) {
@@ -1231,7 +1255,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
       Barrier::arrive(&smem.v_empty[prev]);
       // A warp's 16 rows rarely all keep their max in the first tiles, and almost always after.
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_rows(o, alpha);
-      convert_p<T>(tSrS, tOrP);
+      convert_p<T>(tSrS, tOrP, live);
     }
 
     const int last = count.stage(num_tiles - 1);
