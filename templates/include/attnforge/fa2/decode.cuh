@@ -82,16 +82,17 @@ struct DecodeTraits {
   static constexpr int kThreads = 128;
   static constexpr int kBdz = kThreads / (kBdx * kBdy);  // token lanes
   // Tensor-core tiles (decode_mma.cuh): rows of whole 128-byte lines (16-bit hd 64 and 128, fp8
-  // hd 128) read for 4-8 heads, in 64-token tiles, 16 rows per warp. The CUDA-core tile spends an
+  // hd 128 and 256) read for 4-8 heads, in 64-token tiles, 16 rows per warp. The CUDA-core tile spends an
   // FMA per head on each element (and an fp8 cache a conversion per head group): issue-bound at 4
   // and 8 heads (fp8: 695 SASS instructions per tile and warp at 4 heads, 316 here). Same-run A/Bs
   // at batch 64 x kv 4096: fp8 hd 128 group 4 148 -> 133 us, group 8 226 -> 136 us; bf16 hd 128
   // group 8 321 -> 253 us (group 4 unchanged, at the copy bandwidth); bf16 hd 64 group 4 136 -> 132
-  // us, group 8 176 -> 132 us. fp8 hd 256 keeps the CUDA-core tile (its 8-head variant has 2 token
-  // lanes of LaneStates for the tile's 4 warps: the static_assert below), as do fp8 hd 64 (64-byte
-  // rows) and 16-bit hd 256.
+  // us, group 8 176 -> 132 us; fp8 hd 256 group 4 267 -> 262 us, group 8 427 -> 268 us. fp8 hd 64
+  // (64-byte rows) keeps the CUDA-core tile, and so does 16-bit hd 256, whose 64-token ring (192 KB)
+  // would leave one CTA per SM.
   static constexpr int kWarps = kThreads / 32;
-  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && kBdx % 8 == 0 && kHeadDim <= 128;
+  static constexpr bool kMmaTile =
+      kHeadsPerCta >= 4 && kBdx % 8 == 0 && (kHeadDim <= 128 || sizeof(DTypeKV) == 1);
   static constexpr int kMmaChunks = kHeadDim / 16;
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
   // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM
@@ -131,8 +132,7 @@ struct DecodeTraits {
                 "decode tile: every thread must issue the same number of 16-byte copies");
   static_assert(kTileTokens % kBdz == 0, "decode tile: token lanes must split a tile evenly");
   static_assert(kTileTokens <= kThreads && kStages >= 3, "decode ring: a thread per tile row owns its offset");
-  static_assert(!kMmaTile || (kHeadsPerCta <= 8 && kBdz >= kWarps),
-                "decode mma tile: the CTA's heads are the MMAs' 8 columns, and each warp a token lane");
+  static_assert(!kMmaTile || kHeadsPerCta <= 8, "decode mma tile: the CTA's heads are the MMAs' 8 columns");
 
   // Per tile a lane group computes kScores = kTokensPerLane x kHeadsPerThread dot products. The
   // reduce-scatter spreads them over kScatterLanes lanes, kScoresPerLane consecutive tokens of one
@@ -147,12 +147,14 @@ struct DecodeTraits {
   static_assert(kHeadLanes >= 1 && kTokensPerLane % kScoresPerLane == 0,
                 "decode scores: the scores one lane finishes must belong to one head");
 
-  // Token-lane partial states, merged once the KV ring has drained: [kBdz][kHeadsPerCta][kHeadDim]
-  // and (m, d). They reuse the ring's memory, which keeps the CTA near 48 KB (4 per SM).
+  // Token-lane partial states, merged once the KV ring has drained: [lane][kHeadsPerCta][kHeadDim]
+  // and (m, d), one lane per tz, or per warp on the tensor-core tile (where fp8 hd 256 at 8 heads
+  // has 2 tz for 4 warps). They reuse the ring's memory, which keeps the CTA near 48 KB (4 per SM).
+  static constexpr int kStateLanes = kMmaTile && kWarps > kBdz ? kWarps : kBdz;
   struct LaneStates {
-    float o[kBdz][kHeadsPerCta][kHeadDim];
-    float m[kBdz][kHeadsPerCta];
-    float d[kBdz][kHeadsPerCta];
+    float o[kStateLanes][kHeadsPerCta][kHeadDim];
+    float m[kStateLanes][kHeadsPerCta];
+    float d[kStateLanes][kHeadsPerCta];
   };
   struct Ring {
     alignas(16) DTypeKV k[kStages][kTileTokens * kHeadDim];
