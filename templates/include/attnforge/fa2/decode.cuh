@@ -82,14 +82,14 @@ struct DecodeTraits {
   static constexpr int kThreads = 128;
   static constexpr int kBdz = kThreads / (kBdx * kBdy);  // token lanes
   // Tensor-core tiles (decode_mma.cuh): rows of whole 128-byte lines (16-bit hd 64 and 128, fp8
-  // hd 128 and 256) read for 4-8 heads, in 64-token tiles, 16 rows per warp. The CUDA-core tile spends an
-  // FMA per head on each element (and an fp8 cache a conversion per head group): issue-bound at 4
-  // and 8 heads (fp8: 695 SASS instructions per tile and warp at 4 heads, 316 here). Same-run A/Bs
-  // at batch 64 x kv 4096: fp8 hd 128 group 4 148 -> 133 us, group 8 226 -> 136 us; bf16 hd 128
-  // group 8 321 -> 253 us (group 4 unchanged, at the copy bandwidth); bf16 hd 64 group 4 136 -> 132
-  // us, group 8 176 -> 132 us; fp8 hd 256 group 4 267 -> 262 us, group 8 427 -> 268 us. fp8 hd 64
-  // (64-byte rows) keeps the CUDA-core tile, and so does 16-bit hd 256, whose 64-token ring (192 KB)
-  // would leave one CTA per SM.
+  // hd 128 and 256) read for 4-8 heads, in 64-token tiles, 16 rows per warp. The CUDA-core tile
+  // spends an FMA per head on each element (and an fp8 cache a conversion per head group):
+  // issue-bound at 4 and 8 heads (fp8: 695 SASS instructions per tile and warp at 4 heads, 316
+  // here). Same-run A/Bs at batch 64 x kv 4096: fp8 hd 128 group 4 148 -> 133 us, group 8 226 ->
+  // 136 us; bf16 hd 128 group 8 321 -> 253 us (group 4 unchanged, at the copy bandwidth); bf16 hd
+  // 64 group 4 136 -> 132 us, group 8 176 -> 132 us; fp8 hd 256 group 4 267 -> 262 us, group 8
+  // 427 -> 268 us. fp8 hd 64 (64-byte rows) keeps the CUDA-core tile, and so does 16-bit hd 256,
+  // whose 64-token ring (192 KB) would leave one CTA per SM.
   static constexpr int kWarps = kThreads / 32;
   static constexpr bool kMmaTile =
       kHeadsPerCta >= 4 && kBdx % 8 == 0 && (kHeadDim <= 128 || sizeof(DTypeKV) == 1);

@@ -1,8 +1,9 @@
 // Role: the FA2 decode kernel's tensor-core tile (DecodeTraits::kMmaTile): rows of whole 128-byte
-//   lines (16-bit hd 64 and 128, fp8 hd 128 and 256) read for 4 to 8 query heads, where the CUDA-core tile
-//   is issue-bound (it multiplies each K/V element once per head, and converts an fp8 one once per
-//   head group). Here a warp takes 16 rows of a 64-token tile as its own token lane (its own online softmax, merged after the kv loop like the CUDA-core
-//   tile's token lanes) and runs mma.sync m16n8k16 with fp32 accumulation (fp16 for an fp8 cache,
+//   lines (16-bit hd 64 and 128, fp8 hd 128 and 256) read for 4 to 8 query heads, where the
+//   CUDA-core tile is issue-bound (it multiplies each K/V element once per head, and converts an
+//   fp8 one once per head group). Here a warp takes 16 rows of a 64-token tile as its own token
+//   lane (its own online softmax, merged after the kv loop like the CUDA-core tile's token lanes)
+//   and runs mma.sync m16n8k16 with fp32 accumulation (fp16 for an fp8 cache,
 //   else the cache's type), the CTA's heads as the MMAs' N (8; rows past the CTA's heads are zero
 //   queries, never stored):
 //     S^T (16 tokens x 8 heads) = K (16 x hd, A from the ring) . Q^T (hd x 8, B in registers);
