@@ -143,6 +143,37 @@ def test_fa3_e5m2_matches_dequantized_reference(head_dim, layout, capsys):
     check_against_reference(head_dim, 4096, LAYOUTS[layout], capsys, dtype=E5M2)
 
 
+@pytest.mark.parametrize("group", [1, 4, 8, 12, 16, 64, 80])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fa3_fp8_tensor_core_decode_matches_dequantized_reference(head_dim, group):
+    """Tensor-core decode on fa3 fp8 (the kernel's decode instantiation) against the reference, at
+    groups whose rows fill part of warp 0 (1-8: its second half of rows idle), all of it (12, 16),
+    all of consumer warpgroup 0 (64), or spill into warpgroup 1 (80: both compute, the producer
+    transposes V)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(group + head_dim)
+    batch, kv_heads, page_size = 9, 2, 16
+    kv_lens = torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(group)).tolist()
+    pages, ids, page_indptr, last = pages_of(kv_lens, page_size, gen)
+    q = quantized((batch, kv_heads * group, head_dim), FLOAT_SCALES["q_scale"], gen)
+    k = quantized((sum(kv_lens), kv_heads, head_dim), FLOAT_SCALES["k_scale"], gen)
+    v = quantized((sum(kv_lens), kv_heads, head_dim), FLOAT_SCALES["v_scale"], gen)
+    cache = tuple(paged_copy(x, kv_lens, pages, ids, page_size) for x in (k, v))
+    decode = attnforge.BatchDecodeWithPagedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE),
+                                                          use_tensor_cores=True, backend="fa3")
+    decode.plan(page_indptr, ids, last, kv_heads * group, kv_heads, head_dim, page_size, q_data_type=E4M3,
+                kv_data_type=E4M3, o_data_type=torch.bfloat16)
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=DEVICE)
+    out, lse = decode.run(q, cache, out=out, return_lse=True, **FLOAT_SCALES)
+    o_ref, lse_ref = reference.batch_prefill_ragged(
+        *(x.float() * FLOAT_SCALES[name] for x, name in ((q, "q_scale"), (k, "k_scale"), (v, "v_scale"))),
+        indptr_of([1] * batch), indptr_of(kv_lens), causal=False, o_dtype=torch.float32)
+    assert not out.isnan().any()
+    rel_l2, max_abs = error_stats(out, o_ref)
+    assert rel_l2 <= REL_L2_TOL
+    assert max_abs <= MAX_ABS_TOL * (v.float() * FLOAT_SCALES["v_scale"]).abs().max().item()
+    torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=1e-3)
+
+
 def check_against_reference(head_dim: int, kv_len: int, page_size: int | None, capsys,
                             scales: dict = FLOAT_SCALES, dtype: torch.dtype = E4M3,
                             lens: tuple[list[int], list[int]] | None = None) -> None:
