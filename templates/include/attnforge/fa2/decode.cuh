@@ -151,6 +151,7 @@ struct DecodeTraits {
   // and (m, d), one lane per tz, or per warp on the tensor-core tile (where fp8 hd 256 at 8 heads
   // has 2 tz for 4 warps). They reuse the ring's memory, which keeps the CTA near 48 KB (4 per SM).
   static constexpr int kStateLanes = kMmaTile && kWarps > kBdz ? kWarps : kBdz;
+  static_assert(!kMmaTile || kStateLanes >= kWarps, "decode mma tile: a token-lane state per warp (share_mma_state)");
   struct LaneStates {
     float o[kStateLanes][kHeadsPerCta][kHeadDim];
     float m[kStateLanes][kHeadsPerCta];
