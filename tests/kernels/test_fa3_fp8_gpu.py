@@ -143,6 +143,15 @@ def test_fa3_e5m2_matches_dequantized_reference(head_dim, layout, capsys):
     check_against_reference(head_dim, 4096, LAYOUTS[layout], capsys, dtype=E5M2)
 
 
+@pytest.mark.parametrize("layout", ["page16", "page200"])
+def test_fa3_fp8_as_many_queries_as_requests_matches_dequantized_reference(layout, capsys):
+    """A paged plan with as many query tokens as requests takes the decode instantiation even when
+    the tokens are not one per request: requests of 2 and 3 tokens (8 and 12 packed rows at group
+    4, so both of warp 0's row halves live), empty ones, and the rest of one."""
+    lens = ([2, 0, 1, 0, 3, 1, 1, 1, 0], [300, 50, 1000, 7, 4096, 129, 16, 2000, 64])
+    check_against_reference(128, 0, LAYOUTS[layout], capsys, lens=lens)
+
+
 @pytest.mark.parametrize("group", [1, 4, 8, 12, 16, 64, 80])
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_fa3_fp8_tensor_core_decode_matches_dequantized_reference(head_dim, group):
