@@ -1,5 +1,5 @@
 // Role: FA2 batch decode over a paged KV cache (one query token per request), on CUDA cores, or
-//   on mma.sync tensor cores where 4-8 heads read each element (hd <= 128, decode_mma.cuh).
+//   on mma.sync tensor cores where 4-8 heads read each element (kMmaTile, decode_mma.cuh).
 //
 // Contract:
 //   grid  = (work_capacity * num_head_tiles, num_kv_heads); block = (kBdx, kBdy, kBdz), 128 threads.
@@ -10,8 +10,8 @@
 //   group of kHeadsPerThread query heads, tz one "token lane" that takes every kBdz-th row of a KV tile.
 //   An fp8 cache is converted on load to fp16 (exact); with a bf16 output it is multiplied in packed
 //   half2 (PackedQuery, decode_tile), else in fp32. With >= 4 heads per CTA and rows of whole
-//   128-byte lines (16-bit hd 64 and 128, fp8 hd 128) each warp is instead a token lane of 16
-//   consecutive rows that runs MMAs (kMmaTile, decode_tile_mma).
+//   128-byte lines (16-bit hd 64 and 128, fp8 hd 128 and 256) each warp is instead a token lane
+//   of 16 consecutive rows that runs MMAs (kMmaTile, decode_tile_mma).
 //   Its k_scale folds into score_scale on the host and v_scale multiplies o after the kernel.
 //   K/V tiles stream through a kStages-deep cp.async ring. A row's source offset is looked up once
 //   per tile, by the row's owner thread, two tiles ahead of its copies (a tile in a register for the
