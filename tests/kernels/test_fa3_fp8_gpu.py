@@ -173,14 +173,8 @@ def test_fa3_fp8_tensor_core_decode_matches_dequantized_reference(head_dim, grou
                 kv_data_type=E4M3, o_data_type=torch.bfloat16)
     out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=DEVICE)
     out, lse = decode.run(q, cache, out=out, return_lse=True, **FLOAT_SCALES)
-    o_ref, lse_ref = reference.batch_prefill_ragged(
-        *(x.float() * FLOAT_SCALES[name] for x, name in ((q, "q_scale"), (k, "k_scale"), (v, "v_scale"))),
-        indptr_of([1] * batch), indptr_of(kv_lens), causal=False, o_dtype=torch.float32)
-    assert not out.isnan().any()
-    rel_l2, max_abs = error_stats(out, o_ref)
-    assert rel_l2 <= REL_L2_TOL
-    assert max_abs <= MAX_ABS_TOL * (v.float() * FLOAT_SCALES["v_scale"]).abs().max().item()
-    torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=1e-3)
+    o_ref, lse_ref = dequantized_reference(q, k, v, FLOAT_SCALES, [1] * batch, kv_lens, causal=False)
+    assert_matches_reference(out, lse, o_ref, lse_ref, v, FLOAT_SCALES["v_scale"])
 
 
 def check_against_reference(head_dim: int, kv_len: int, page_size: int | None, capsys,
@@ -195,18 +189,34 @@ def check_against_reference(head_dim: int, kv_len: int, page_size: int | None, c
     k = quantized((sum(kv_lens), heads[1], head_dim), scales["k_scale"], gen, dtype)
     v = quantized((sum(kv_lens), heads[1], head_dim), scales["v_scale"], gen, dtype)
     out, lse = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, page_size, causal=True, gen=gen)
-    o_ref, lse_ref = reference.batch_prefill_ragged(
+    o_ref, lse_ref = dequantized_reference(q, k, v, scales, qo_lens, kv_lens, causal=True)
+    seen = torch.isfinite(lse_ref)  # causal rows past their request's keys: -inf in both
+
+    def report(rel_l2: float, max_abs: float) -> None:
+        with capsys.disabled():
+            kind = "per-head" if isinstance(scales["q_scale"], torch.Tensor) else "float"
+            print(f"\n[fa3 {str(dtype)[-6:]} prefill] hd={head_dim} kv_len={kv_len} page_size={page_size} {kind} scales: o relative L2 {rel_l2:.3e}, "
+                  f"max abs {max_abs:.3e}, lse max abs {(lse - lse_ref)[seen].abs().max().item():.3e} (rows that see a key)")
+
+    assert_matches_reference(out, lse, o_ref, lse_ref, v, scales["v_scale"], report)
+
+
+def dequantized_reference(q, k, v, scales: dict, qo_lens: list[int], kv_lens: list[int], causal: bool):
+    """attnforge.reference on the dequantized inputs (fp8 value * scale, fp32): (o, lse)."""
+    return reference.batch_prefill_ragged(
         *(x.float() * broadcast(scales[name]) for x, name in ((q, "q_scale"), (k, "k_scale"), (v, "v_scale"))),
-        indptr_of(qo_lens), indptr_of(kv_lens), causal=True, o_dtype=torch.float32)
+        indptr_of(qo_lens), indptr_of(kv_lens), causal=causal, o_dtype=torch.float32)
+
+
+def assert_matches_reference(out, lse, o_ref, lse_ref, v, v_scale, report=None) -> None:
+    """A bf16 o free of NaN within the e4m3-P bounds of the reference (relative L2, max abs in units
+    of max |v|), and lse within 2e-2; `report(rel_l2, max_abs)`, if given, sees the errors first."""
     assert out.dtype is torch.bfloat16 and not out.isnan().any()
     rel_l2, max_abs = error_stats(out, o_ref)
-    seen = torch.isfinite(lse_ref)  # causal rows past their request's keys: -inf in both
-    with capsys.disabled():
-        kind = "per-head" if isinstance(scales["q_scale"], torch.Tensor) else "float"
-        print(f"\n[fa3 {str(dtype)[-6:]} prefill] hd={head_dim} kv_len={kv_len} page_size={page_size} {kind} scales: o relative L2 {rel_l2:.3e}, "
-              f"max abs {max_abs:.3e}, lse max abs {(lse - lse_ref)[seen].abs().max().item():.3e} (rows that see a key)")
+    if report is not None:
+        report(rel_l2, max_abs)
     assert rel_l2 <= REL_L2_TOL
-    assert max_abs <= MAX_ABS_TOL * (v.float() * broadcast(scales["v_scale"])).abs().max().item()
+    assert max_abs <= MAX_ABS_TOL * (v.float() * broadcast(v_scale)).abs().max().item()
     torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=1e-3)
 
 
