@@ -144,6 +144,11 @@ struct PrefillTraits {
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
   static constexpr int kConsumerWarpgroups = !kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64 ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
+  // Pingpong between the consumer warpgroups (scheduler_wait) where one's softmax takes about as
+  // long as the other's GEMMs: fp8, and 16-bit up to (192, 128) head dims. 16-bit hd 256 (GEMMs
+  // twice as long per key) and hd 64 (a ring of three) issue when ready: same-run A/B, bf16 ragged
+  // hd 256 +2..+5% and hd 64 +2..+4% without it, hd 128 -4..-6%, fp8 and (192, 128) within noise.
+  static constexpr bool kPingpong = kFp8 || (kConsumerWarpgroups == 2 && kHeadDimQK + kHeadDimVO <= 320);
   // Whether the kernel has a decode instantiation (WithDecodeItems) for launch_prefill to pick.
   static constexpr bool kHasDecodeItems = kFp8 && kPagedKV && kConsumerWarpgroups == 2;
   static_assert(!kDecodeItems || kHasDecodeItems,
@@ -958,25 +963,29 @@ __device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag,
   }
 }
 
-// Pingpong: the consumer warpgroups take turns, in a ring, issuing their wgmma batches, so one's
-// GEMMs run while the others do their softmax. Warpgroup w waits on barrier kBarrierScheduler + w;
-// the issue of the warpgroup before it arrives on it. The last warpgroup opens each item's ring
-// (so warpgroup 0 issues first) and skips its last pass, which balances every barrier per item.
+// Pingpong (T::kPingpong): the consumer warpgroups take turns, in a ring, issuing their wgmma
+// batches, so one's GEMMs run while the others do their softmax. Warpgroup w waits on barrier
+// kBarrierScheduler + w; the issue of the warpgroup before it arrives on it. The last warpgroup
+// opens each item's ring (so warpgroup 0 issues first) and skips its last pass, which balances
+// every barrier per item. Without pingpong the calls are empty and each warpgroup issues when ready.
 constexpr int kBarrierScheduler = 2;  // ids 2 .. 1 + warpgroups
+template <typename T>
 __device__ __forceinline__ void scheduler_wait(int wg) {
-  cutlass::arch::NamedBarrier::sync(256, kBarrierScheduler + wg);
+  if constexpr (T::kPingpong) cutlass::arch::NamedBarrier::sync(256, kBarrierScheduler + wg);
 }
-template <int kWarpgroups>
+template <typename T>
 __device__ __forceinline__ void scheduler_pass(int wg) {
-  cutlass::arch::NamedBarrier::arrive(256, kBarrierScheduler + (wg + 1) % kWarpgroups);
+  if constexpr (T::kPingpong) {
+    cutlass::arch::NamedBarrier::arrive(256, kBarrierScheduler + (wg + 1) % T::kConsumerWarpgroups);
+  }
 }
-template <int kWarpgroups>
+template <typename T>
 __device__ __forceinline__ void scheduler_open(int wg) {
-  if (wg == kWarpgroups - 1) scheduler_pass<kWarpgroups>(wg);
+  if (wg == T::kConsumerWarpgroups - 1) scheduler_pass<T>(wg);
 }
-template <int kWarpgroups>
+template <typename T>
 __device__ __forceinline__ void scheduler_close(int wg) {
-  if (wg != kWarpgroups - 1) scheduler_pass<kWarpgroups>(wg);
+  if (wg != T::kConsumerWarpgroups - 1) scheduler_pass<T>(wg);
 }
 
 // fp8 per-head scales (float32; stride 0: one value for every head); none given reads as 1.
@@ -1059,7 +1068,6 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
                                                 const WorkTile& w, const PipelineCount<T::kStages>& count,
                                                 int num_tiles, int wg) {
   using Barrier = cutlass::arch::ClusterBarrier;
-  constexpr int kWarpgroups = T::kConsumerWarpgroups;
   int staged = count.staged;
   // Warpgroup 1 alone: with both warpgroups following (an item of no rows, which the planner never
   // makes), two transposers would arrive on each tile's barriers.
@@ -1073,28 +1081,28 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
       ++staged;
     }
   };
-  scheduler_open<kWarpgroups>(wg);
+  scheduler_open<T>(wg);
   Barrier::wait(&smem.q_full, count.items & 1);
   Barrier::arrive(&smem.q_empty);
   transpose(0);
   Barrier::wait(&smem.k_full[count.stage(0)], count.phase(0));
-  scheduler_wait(wg);
-  scheduler_pass<kWarpgroups>(wg);
+  scheduler_wait<T>(wg);
+  scheduler_pass<T>(wg);
   Barrier::arrive(&smem.k_empty[count.stage(0)]);
   for (int n = 1; n < num_tiles; ++n) {
     transpose(n);
     const int stage = count.stage(n), prev = count.stage(n - 1);
     Barrier::wait(&smem.k_full[stage], count.phase(n));
     Barrier::wait(&smem.v_full[prev], count.phase(n - 1));
-    scheduler_wait(wg);
-    scheduler_pass<kWarpgroups>(wg);
+    scheduler_wait<T>(wg);
+    scheduler_pass<T>(wg);
     Barrier::arrive(&smem.k_empty[stage]);
     Barrier::arrive(&smem.v_empty[prev]);
   }
   const int last = count.stage(num_tiles - 1);
   Barrier::wait(&smem.v_full[last], count.phase(num_tiles - 1));
-  scheduler_wait(wg);
-  scheduler_close<kWarpgroups>(wg);
+  scheduler_wait<T>(wg);
+  scheduler_close<T>(wg);
   Barrier::arrive(&smem.v_empty[last]);
 }
 
@@ -1109,7 +1117,6 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
   using namespace cute;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
-  constexpr int kWarpgroups = T::kConsumerWarpgroups;
   const auto& p = args.p;
   const int ctid = threadIdx.x - T::kProducerThreads;  // across all consumer warpgroups
   const auto* plan = static_cast<const int32_t*>(p.plan);
@@ -1220,12 +1227,12 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
     Tensor tOrP = make_tensor<typename T::ElementP>(typename T::FragmentPShape{});
     if constexpr (T::kDecodeItems) clear(tOrP);  // rows never live keep these zeros
     float alpha[2];
-    scheduler_open<kWarpgroups>(wg);  // warpgroup 0 issues first
+    scheduler_open<T>(wg);  // warpgroup 0 issues first
     Barrier::wait(&smem.q_full, count.items & 1);
     wait_full(&smem.k_full[count.stage(0)], count.phase(0));
-    scheduler_wait(wg);
+    scheduler_wait<T>(wg);
     issue_qk(tSrS, count.stage(0));
-    scheduler_pass<kWarpgroups>(wg);
+    scheduler_pass<T>(wg);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     Barrier::arrive(&smem.k_empty[count.stage(0)]);
@@ -1237,10 +1244,10 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
     for (int n = 1; n < num_tiles; ++n) {
       const int stage = warp_uniform(count.stage(n)), prev = warp_uniform(count.stage(n - 1));
       wait_full(&smem.v_full[prev], count.phase(n - 1));
-      scheduler_wait(wg);
+      scheduler_wait<T>(wg);
       issue_qk(tSrS, stage);
       issue_pv(tOrP, prev);
-      scheduler_pass<kWarpgroups>(wg);
+      scheduler_pass<T>(wg);
       warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
       warpgroup_fence_operand(tSrS);
       Barrier::arrive(&smem.k_empty[stage]);
@@ -1260,9 +1267,9 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
 
     const int last = count.stage(num_tiles - 1);
     wait_full(&smem.v_full[last], count.phase(num_tiles - 1));
-    scheduler_wait(wg);
+    scheduler_wait<T>(wg);
     issue_pv(tOrP, last);
-    scheduler_close<kWarpgroups>(wg);
+    scheduler_close<T>(wg);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     Barrier::arrive(&smem.v_empty[last]);
