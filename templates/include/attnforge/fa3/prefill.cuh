@@ -156,13 +156,16 @@ struct PrefillTraits {
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
   // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
   // tile's kv rows must fill a 128-byte line, and (256, 256) then fits two stages and the staging.
-  // Ragged 16-bit hd 128 takes FA3's 176 tokens in two stages (208 KB): fewer per-tile costs per
-  // key (same-run A/B against 128 tokens in three stages: +1..+6%, causal included). Paged kernels
-  // keep 128, which every power-of-two page up to 128 divides (their boxes are whole pages); soft
-  // cap and sliding window too (with their registers, 176-key scores spill: 592 bytes).
+  // Ragged 16-bit kernels take FA3's wider tiles, whose per-tile costs cover more keys: 176 tokens
+  // at hd 128 in two stages (208 KB; same-run A/B against 128 tokens in three stages: +1..+6%,
+  // causal included), 80 at hd 256 in two stages (224 KB; against 64: +3..+6%). Paged kernels
+  // keep 128 or 64, which every power-of-two page up to 128 divides (their boxes are whole pages);
+  // soft cap and sliding window too (with their registers, 176-key scores spill: 592 bytes).
+  static constexpr int kHeadDims = kHeadDimQK + kHeadDimVO;
   static constexpr bool kWideKvTile = !kFp8 && !kPagedKV && !kSoftCap && !kSlidingWindow &&
-                                      kConsumerWarpgroups == 2 && kHeadDimQK + kHeadDimVO <= 256;
-  static constexpr int kBlockN = kWideKvTile ? 176 : kFp8 || kHeadDimQK + kHeadDimVO <= 320 ? 128 : 64;
+                                      kConsumerWarpgroups == 2 && (kHeadDims <= 256 || kHeadDims > 320);
+  static constexpr int kNarrowKvTile = kFp8 || kHeadDims <= 320 ? 128 : 64;
+  static constexpr int kBlockN = !kWideKvTile ? kNarrowKvTile : kHeadDims <= 256 ? 176 : 80;
   // A third K/V stage where it fits (hd <= 128 at 128 tokens, paged too: its page table is one 1 KB
   // slot); the fixed bytes are the Q tile, the page table, the slack for aligning the base and the
   // barriers.
