@@ -144,11 +144,6 @@ struct PrefillTraits {
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
   static constexpr int kConsumerWarpgroups = !kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64 ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
-  // Pingpong between the consumer warpgroups (scheduler_wait) where one's softmax takes about as
-  // long as the other's GEMMs: fp8, and 16-bit up to (192, 128) head dims. 16-bit hd 256 (GEMMs
-  // twice as long per key) and hd 64 (a ring of three) issue when ready: same-run A/B, bf16 ragged
-  // hd 256 +2..+5% and hd 64 +2..+4% without it, hd 128 -4..-6%, fp8 and (192, 128) within noise.
-  static constexpr bool kPingpong = kFp8 || (kConsumerWarpgroups == 2 && kHeadDimQK + kHeadDimVO <= 320);
   // Whether the kernel has a decode instantiation (WithDecodeItems) for launch_prefill to pick.
   static constexpr bool kHasDecodeItems = kFp8 && kPagedKV && kConsumerWarpgroups == 2;
   static_assert(!kDecodeItems || kHasDecodeItems,
@@ -166,6 +161,11 @@ struct PrefillTraits {
                                       kConsumerWarpgroups == 2 && (kHeadDims <= 256 || kHeadDims > 320);
   static constexpr int kNarrowKvTile = kFp8 || kHeadDims <= 320 ? 128 : 64;
   static constexpr int kBlockN = !kWideKvTile ? kNarrowKvTile : kHeadDims <= 256 ? 176 : 80;
+  // Pingpong between the consumer warpgroups (scheduler_wait) except where a same-run A/B found the
+  // warpgroups faster issuing when ready: 16-bit hd 256 in 64-key tiles (bf16 ragged +2..+5%
+  // without it; its 80-key ragged tiles are 1% faster with it) and hd 64 (a ring of three,
+  // +2..+4%). hd 128 loses 4-6% without it; fp8 and (192, 128) are within noise either way.
+  static constexpr bool kPingpong = kFp8 || (kConsumerWarpgroups == 2 && kBlockN > 64);
   // A third K/V stage where it fits (hd <= 128 at 128 tokens, paged too: its page table is one 1 KB
   // slot); the fixed bytes are the Q tile, the page table, the slack for aligning the base and the
   // barriers.
