@@ -154,13 +154,15 @@ struct PrefillTraits {
   // Ragged 16-bit kernels take FA3's wider tiles, whose per-tile costs cover more keys: 176 tokens
   // at hd 128 in two stages (208 KB; same-run A/B against 128 tokens in three stages: +1..+6%,
   // causal included), 80 at hd 256 in two stages (224 KB; against 64: +3..+6%). Paged kernels
-  // keep 128 or 64, which every power-of-two page up to 128 divides (their boxes are whole pages);
-  // soft cap and sliding window too (with their registers, 176-key scores spill: 592 bytes).
+  // keep 128 or 64, which every power-of-two page up to 128 divides (their boxes are whole pages;
+  // paged hd 256 in 80-key tiles measured no faster); soft cap and sliding window too (with their
+  // registers, 176-key scores spill: 592 bytes). kWideKvTile: the wider width, 0 where none applies.
   static constexpr int kHeadDims = kHeadDimQK + kHeadDimVO;
-  static constexpr bool kWideKvTile = !kFp8 && !kPagedKV && !kSoftCap && !kSlidingWindow &&
-                                      kConsumerWarpgroups == 2 && (kHeadDims <= 256 || kHeadDims > 320);
-  static constexpr int kNarrowKvTile = kFp8 || kHeadDims <= 320 ? 128 : 64;
-  static constexpr int kBlockN = !kWideKvTile ? kNarrowKvTile : kHeadDims <= 256 ? 176 : 80;
+  static constexpr int kWideKvTile = kFp8 || kPagedKV || kSoftCap || kSlidingWindow || kConsumerWarpgroups != 2 ? 0
+                                     : kHeadDims <= 256 ? 176
+                                     : kHeadDims > 320  ? 80
+                                                        : 0;
+  static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kFp8 || kHeadDims <= 320 ? 128 : 64;
   // Pingpong between the consumer warpgroups (scheduler_wait) except where a same-run A/B found the
   // warpgroups faster issuing when ready: 16-bit hd 256 in 64-key tiles (bf16 ragged +2..+5%
   // without it; its 80-key ragged tiles are 1% faster with it) and hd 64 (a ring of three,
@@ -688,7 +690,7 @@ __device__ __forceinline__ void load_v_tile_transposed(uint8_t* smem_base, const
 // proxy), the warpgroup met on its named barrier, then its thread 0 arrives on `full` for all.
 __device__ __forceinline__ void arrive_stored(uint64_t* full, int barrier, int tid) {
   cutlass::arch::fence_view_async_shared();
-  cutlass::arch::NamedBarrier::sync(128, barrier);
+  cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
   if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
 }
 
@@ -710,9 +712,9 @@ __device__ __forceinline__ void transpose_staged_v(typename T::SharedStorage& sm
 // The whole warpgroup's cp.async copies into a stage are done: count them on `full`, which
 // expects one arrival (a TMA tile's is its thread's): each thread's copies are added to the
 // pending count, and thread 0 arrives once all have been.
-__device__ __forceinline__ void arrive_gathered(uint64_t* full, int producer_threads, int tid) {
+__device__ __forceinline__ void arrive_gathered(uint64_t* full, int tid) {
   asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(common::smem_addr(full)));
-  cutlass::arch::NamedBarrier::sync(producer_threads, kBarrierProducer);
+  cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierProducer);
   if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
 }
 
@@ -835,7 +837,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     load_kv_tile<T, T::kCellsQK>(k_smem, k_head, tid, row_offset(p.kv_stride_page, p.kv_stride_token), [&](int row, int cell) {
       return swizzled_offset<typename T::SmemLayoutK, typename T::Element>(row, cell * T::kCellElements, stage);
     });
-    arrive_gathered(&smem.k_full[stage], T::kProducerThreads, tid);
+    arrive_gathered(&smem.k_full[stage], tid);
     Barrier::wait(&smem.v_empty[stage], free_phase);
     if constexpr (T::kFp8) {
       load_v_tile_transposed<T>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), stage);
@@ -844,7 +846,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
       load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), [&](int row, int cell) {
         return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * T::kCellElements, row, stage);
       });
-      arrive_gathered(&smem.v_full[stage], T::kProducerThreads, tid);
+      arrive_gathered(&smem.v_full[stage], tid);
     }
   }
   count.advance(num_tiles);
