@@ -886,32 +886,39 @@ struct KeyMask {
   }
 };
 
-// Each live row's max over the tile's columns and its lane quad. Four running maxima per row,
-// seeded by the first four columns, both rows in one pass: eight independent FMNMX chains, and the
-// two rows' shuffles overlap (one row after the other, ptxas kept them apart; e4m3 +1% in a
-// same-run A/B).
-template <typename TensorS>
-__device__ __forceinline__ void row_maxima(const TensorS& s, const bool (&live)[2], float (&row_max)[2]) {
+// Each of the first kRows rows' max over the tile's columns and its lane quad. Four running
+// maxima per row, seeded by the first four columns, the rows in one pass: eight independent FMNMX
+// chains for two rows, and their shuffles overlap (one row after the other, ptxas kept them apart;
+// e4m3 +1% in a same-run A/B).
+template <int kRows, typename TensorS>
+__device__ __forceinline__ void first_rows_maxima(const TensorS& s, float (&row_max)[2]) {
   using namespace cute;
   static_assert(decltype(size<1>(s))::value % 4 == 0, "fa3: a row's columns split into four running maxima");
-  float part_max[2][4];
+  float part_max[kRows][4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < kRows; ++r) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) part_max[r][c] = s(r, c);
   }
 #pragma unroll
   for (int c = 4; c < size<1>(s); ++c) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (live[r]) part_max[r][c % 4] = fmaxf(part_max[r][c % 4], s(r, c));
-    }
+    for (int r = 0; r < kRows; ++r) part_max[r][c % 4] = fmaxf(part_max[r][c % 4], s(r, c));
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) row_max[r] = fmaxf(fmaxf(part_max[r][0], part_max[r][1]), fmaxf(part_max[r][2], part_max[r][3]));
+  for (int r = 0; r < kRows; ++r) row_max[r] = fmaxf(fmaxf(part_max[r][0], part_max[r][1]), fmaxf(part_max[r][2], part_max[r][3]));
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (live[r]) row_max[r] = common::lane_group_max<4>(row_max[r]);
+  for (int r = 0; r < kRows; ++r) row_max[r] = common::lane_group_max<4>(row_max[r]);
+}
+
+// The live rows' maxima. Live rows are a prefix (row r + 8 lies past row r), and the test is
+// alike in the warp: a decode item's warps skip their dead rows' work, prefill has none.
+template <typename TensorS>
+__device__ __forceinline__ void row_maxima(const TensorS& s, const bool (&live)[2], float (&row_max)[2]) {
+  if (live[1]) {
+    first_rows_maxima<2>(s, row_max);
+  } else if (live[0]) {
+    first_rows_maxima<1>(s, row_max);
   }
 }
 
