@@ -719,12 +719,12 @@ __device__ __forceinline__ void arrive_gathered(uint64_t* full, int tid) {
 }
 
 // Whether any producer thread's `pred` holds (a barrier of the producer warpgroup).
-__device__ __forceinline__ bool producer_any(bool pred, int producer_threads) {
+__device__ __forceinline__ bool producer_any(bool pred) {
   uint32_t any;
   asm volatile(
       "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
       : "=r"(any)
-      : "r"(uint32_t(pred)), "n"(kBarrierProducer), "r"(producer_threads));
+      : "r"(uint32_t(pred)), "n"(kBarrierProducer), "n"(cutlass::NumThreadsPerWarpGroup));
   return any != 0;
 }
 
@@ -733,7 +733,7 @@ __device__ __forceinline__ bool producer_any(bool pred, int producer_threads) {
 template <typename T>
 __device__ __forceinline__ void report_item(typename T::SharedStorage& smem, int32_t* plan, int item, bool bad_page,
                                             int tid) {
-  bad_page = producer_any(bad_page, T::kProducerThreads);
+  bad_page = producer_any(bad_page);
   if (tid != 0) return;
   smem.item_bad_page[item % 2] = bad_page;
   cutlass::arch::ClusterBarrier::arrive(&smem.item_done[item % 2]);
