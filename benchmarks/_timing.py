@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
+# The H200 runs heavy kernels at its 700 W power cap: its clock starts at 1980 MHz and the power
+# limiter brings it to 1650-1740 MHz within about 100 ms of sustained load. A timing that starts
+# from idle therefore reads up to 15% fast for its first ~60 ms, and two kernels timed after
+# different idle gaps are not comparable. Every kernel is warmed up for this long first, so that
+# each is timed at the clock it sustains (what a serving engine gets).
+SETTLE_SECONDS = 0.5
+
+
+def settle(fn, calls: int, seconds: float = SETTLE_SECONDS) -> None:
+    """Run fn() at least `calls` times and for at least `seconds` of back-to-back launches."""
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    batch = max(calls, 1)
+    while time.perf_counter() - started < seconds:
+        for _ in range(batch):
+            fn()
+        torch.cuda.synchronize()
+
 
 def time_cuda_us(fn, iters: int, warmup: int, flush=None) -> float:
-    """Median microseconds of fn() measured by CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
+    """Median microseconds of fn() measured by CUDA events around each call, after `settle`."""
+    settle(fn, warmup)
     events = []
     for _ in range(iters):
         if flush is not None:

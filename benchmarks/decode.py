@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ._timing import copy_bandwidth_gbps, time_cuda_us
+from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
 NUM_KV_HEADS = 8
@@ -50,7 +50,7 @@ def parse_args(argv):
                    help="KV cache dtypes, each timed on every shape (default: bf16)")
     p.add_argument("--layout", choices=["NHD", "HND"], default="NHD", help="paged cache layout (default NHD)")
     p.add_argument("--iters", type=int, default=100, help="timed calls per kernel (median reported)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls first (the warm-up lasts 0.5 s at least)")
     p.add_argument("--flush-l2", action="store_true", help="write 512 MB between timed calls")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")
@@ -319,6 +319,7 @@ def main(argv=None) -> int:
             shape=dict(dtype="bfloat16", kv_dtypes=args.kv_dtype, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
                        head_dim=HEAD_DIM, page_size=PAGE_SIZE, layout=args.layout),
             method=dict(timer="CUDA events per call, median", iters=args.iters, warmup=args.warmup,
+                        settle_s=SETTLE_SECONDS,
                         l2_flush=args.flush_l2, bytes="q + K + V + o", copy="4 GiB D2D copy, read + write"),
             copy_bandwidth_gbps=copy_gbps,
             first_plan_run_s=first_call_s,
