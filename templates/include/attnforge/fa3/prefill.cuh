@@ -1028,8 +1028,46 @@ __device__ __forceinline__ float head_scale(const void* scales, int stride, int 
   return scales == nullptr ? 1.f : __ldg(static_cast<const float*>(scales) + head * stride);
 }
 
+// Within each quad (the four lanes that share a row of a wgmma accumulator), lane i's v[j] moves to
+// lane j's v[i]: two butterfly exchanges, lanes 2 apart, then 1 apart.
+__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4]) {
+  const bool upper = threadIdx.x & 2, odd = threadIdx.x & 1;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? v[k] : v[k + 2], 2);
+    if (upper) v[k] = got; else v[k + 2] = got;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; k += 2) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? v[k] : v[k + 1], 1);
+    if (odd) v[k] = got; else v[k + 1] = got;
+  }
+}
+
+// One accumulator row of o, scaled by inv_d, stored as 16-byte vectors. A lane holds two columns of
+// each 8-column block; after a quad transpose per four blocks, lane q holds all of block 4g + q, so
+// one warp store writes 64 contiguous bytes of each of its 8 rows. With two-column stores (16 bytes
+// a row, 4x the instructions) every job ended on a store tail that short jobs felt most: same-run
+// A/B, bf16 hd 128, 16 x 1024 tokens +4..+6%, 64 x 256 +6..+11%, 4 x 4096 +1%.
+template <typename DTypeO, typename TensorO, typename TensorC>
+__device__ __forceinline__ void store_o_row(DTypeO* o_row, bool stored, float inv_d, int r, TensorO& o,
+                                            TensorC& coord) {
+  using namespace cute;
+  static_assert(decltype(size<1>(o))::value % 8 == 0, "fa3 o store: whole groups of four 8-column blocks");
+  const int q = threadIdx.x % 4;
+#pragma unroll
+  for (int g = 0; g < size<1>(o) / 8; ++g) {
+    uint32_t v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = common::pack2<DTypeO>(o(r, 8 * g + 2 * i) * inv_d, o(r, 8 * g + 2 * i + 1) * inv_d);
+    quad_transpose(v);
+    // (r, 8g) is this lane's first column of block 4g: 8 * 4g + 2q
+    if (stored) *reinterpret_cast<uint4*>(o_row + get<1>(coord(r, 8 * g)) + 6 * q) = make_uint4(v[0], v[1], v[2], v[3]);
+  }
+}
+
 // Normalize (fp8: times the kv head's v scale) and store the thread's rows: o/lse directly, or the
-// fp32 partial slot of the chunk.
+// fp32 partial slot of the chunk. Every lane runs the quad exchanges, stored rows or not.
 template <typename T, typename TensorO, typename TensorC>
 __device__ __forceinline__ void store_rows(const typename T::Params& p, const WorkTile& w,
                                            const common::FastDivmod& group, int kv_head, bool bad_page,
@@ -1042,7 +1080,7 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Wo
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = get<0>(coord(r, 0));
-    if (row >= w.rows) continue;
+    const bool stored = row < w.rows;
     int token, head_in_group;
     group.divmod(w.row_begin + row, token, head_in_group);
     const int qo_head = kv_head * p.group_size + head_in_group;
@@ -1050,12 +1088,9 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Wo
     const float lse = bad_page ? NAN : (d[r] > 0.f ? m[r] + log2f(d[r]) - T::kPExponentOffset : common::kNegInf);
     if (w.slot < 0) {
       DTypeO* o_row = static_cast<DTypeO*>(p.o) + int64_t(w.qo_begin + token) * p.o_stride_n + int64_t(qo_head) * p.o_stride_h;
-#pragma unroll
-      for (int c = 0; c < size<1>(o); c += 2) {
-        *reinterpret_cast<uint32_t*>(o_row + get<1>(coord(r, c))) = common::pack2<DTypeO>(o(r, c) * inv_d, o(r, c + 1) * inv_d);
-      }
-      if (p.lse != nullptr && lane % 4 == 0) static_cast<float*>(p.lse)[int64_t(w.qo_begin + token) * p.num_qo_heads + qo_head] = lse;
-    } else {
+      store_o_row(o_row, stored, inv_d, r, o, coord);
+      if (stored && p.lse != nullptr && lane % 4 == 0) static_cast<float*>(p.lse)[int64_t(w.qo_begin + token) * p.num_qo_heads + qo_head] = lse;
+    } else if (stored) {
       const int64_t prow = int64_t(w.slot + token * num_chunks) * p.num_qo_heads + qo_head;
       float* partial = static_cast<float*>(p.tmp_v) + prow * T::kHeadDimVO;
 #pragma unroll
