@@ -464,6 +464,31 @@ def test_fa3_bad_page_id_gives_nan_for_that_request_only():
     assert_matches_reference(case, out[others], lse[others], o_ref[others], lse_ref[others])
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("module", [FA3[0], FA3[3]], ids=["hd128", "window-cap"])
+def test_fa3_ragged_tiles_read_only_their_requests_keys(module, causal, split):
+    """A ragged request's partial last kv tile starts a whole tile before its end (over keys the tile
+    before it took, masked there) rather than reading past it: NaN keys and values in one request
+    leave every other request's output exact, next to it on either side, whole or split into chunks.
+    The lengths give last tiles of 1, most and all of a tile's keys, and requests shorter than one."""
+    case = Case(module, qo_lens=[40, 33, 70, 9, 50, 64], kv_lens=[300, 177, 1000, 90, 700, 128], causal=causal,
+                paged=False, layout="NHD", page_size=1, num_kv_heads=2, group=4, seed=9,
+                window_left=200 if module.window else -1, soft_cap=30.0 if module.soft_cap else None)
+    batch = build(case)
+    for victim in (2, 4):
+        k, v = batch.k.clone(), batch.v.clone()
+        kv_rows = slice(int(batch.kv_indptr[victim]), int(batch.kv_indptr[victim + 1]))
+        k[kv_rows], v[kv_rows] = math.nan, math.inf
+        poisoned = Batch(**{**batch.__dict__, "k": k, "v": v})
+        out, lse = run_ours(case, poisoned, **({"fixed_split_size": 250} if split else {}))  # ragged: tokens
+        rows = batch.qo_indptr.tolist()
+        others = torch.ones(out.shape[0], dtype=torch.bool, device=DEVICE)
+        others[rows[victim]:rows[victim + 1]] = False
+        o_ref, lse_ref = run_reference(case, batch)
+        assert_matches_reference(case, out[others], lse[others], o_ref[others], lse_ref[others])
+
+
 def test_causal_rows_before_their_keys_see_nothing():
     """qo_len > kv_len with causal: the first rows see no key (o = 0, lse = -inf), as FlashInfer."""
     case = Case(Module(), qo_lens=[40], kv_lens=[25], causal=True, paged=False, layout="NHD", page_size=1,
