@@ -50,7 +50,7 @@ def parse_args(argv):
                    help="KV cache dtypes, each timed on every shape (default: bf16)")
     p.add_argument("--layout", choices=["NHD", "HND"], default="NHD", help="paged cache layout (default NHD)")
     p.add_argument("--iters", type=int, default=100, help="timed calls per kernel (median reported)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed calls first (the warm-up lasts 0.5 s at least)")
+    p.add_argument("--warmup", type=int, default=10, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--flush-l2", action="store_true", help="write 512 MB between timed calls")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")

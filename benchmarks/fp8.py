@@ -29,7 +29,7 @@ import torch
 from attnforge.codegen.rules import FA3_FP8_PREFILL_HEAD_DIMS
 
 from . import decode, prefill
-from ._timing import copy_bandwidth_gbps, time_cuda_us
+from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 from .decode import _fmt
 
 E4M3 = torch.float8_e4m3fn
@@ -66,7 +66,7 @@ def parse_args(argv):
     p.add_argument("--head-dims", nargs="+", type=int, choices=HEAD_DIMS, default=HEAD_DIMS,
                    help="head dims (default: 128 256); 256 runs with 16 query / 4 kv heads")
     p.add_argument("--iters", type=int, default=20, help="timed calls per kernel (median reported)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (the warm-up lasts 0.5 s at least)")
+    p.add_argument("--warmup", type=int, default=5, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA cuDNN peer")
     p.add_argument("--no-decode", action="store_true", help="skip the fp8-KV vs bf16-KV decode table")
     p.add_argument("--out", help="also write the results as JSON to this file")

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ._timing import copy_bandwidth_gbps, time_cuda_us
+from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
 NUM_KV_HEADS = 8
@@ -56,7 +56,7 @@ def parse_args(argv):
     p.add_argument("--head-dims", nargs="+", type=int, choices=sorted(HEADS_BY_HEAD_DIM), default=[HEAD_DIM],
                    help="head dims (default 128); 256 runs with 16 query / 4 kv heads")
     p.add_argument("--iters", type=int, default=30, help="timed calls per kernel (median reported)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (the warm-up lasts 0.5 s at least)")
+    p.add_argument("--warmup", type=int, default=5, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-decode", action="store_true", help="skip the tensor-core vs CUDA-core decode table")
     p.add_argument("--out", help="also write the results as JSON to this file")

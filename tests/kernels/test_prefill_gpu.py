@@ -445,6 +445,14 @@ def test_fa3_job_counter_is_zero_after_every_run():
         assert wrapper._image.read_slot(PLAN_HEADER.index("job_counter")) == 0
 
 
+def rows_of_others(batch: Batch, request: int) -> torch.Tensor:
+    """Every q row but `request`'s, as a bool mask over o's rows."""
+    rows = batch.qo_indptr.tolist()
+    others = torch.ones(rows[-1], dtype=torch.bool, device=DEVICE)
+    others[rows[request]:rows[request + 1]] = False
+    return others
+
+
 def test_fa3_bad_page_id_gives_nan_for_that_request_only():
     """A page id out of range in one request: every job of that request (they run among the other
     requests' jobs on the persistent CTAs) gives NaN, and no other job does."""
@@ -455,11 +463,8 @@ def test_fa3_bad_page_id_gives_nan_for_that_request_only():
     page_ids[int(batch.page_indptr[victim])] = batch.cache[0].shape[0] + 7
     out, lse = run_ours(case, Batch(**{**batch.__dict__, "page_ids": page_ids}))
     torch.cuda.synchronize()  # a fault would surface here, and poison every later test
-    rows = batch.qo_indptr.tolist()
-    victim_rows = slice(rows[victim], rows[victim + 1])
-    assert out[victim_rows].isnan().all() and lse[victim_rows].isnan().all(), "the bad request's rows must be NaN"
-    others = torch.ones(out.shape[0], dtype=torch.bool, device=DEVICE)
-    others[victim_rows] = False
+    others = rows_of_others(batch, victim)
+    assert out[~others].isnan().all() and lse[~others].isnan().all(), "the bad request's rows must be NaN"
     o_ref, lse_ref = run_reference(case, batch)
     assert_matches_reference(case, out[others], lse[others], o_ref[others], lse_ref[others])
 
@@ -476,16 +481,14 @@ def test_fa3_ragged_tiles_read_only_their_requests_keys(module, causal, split):
                 paged=False, layout="NHD", page_size=1, num_kv_heads=2, group=4, seed=9,
                 window_left=200 if module.window else -1, soft_cap=30.0 if module.soft_cap else None)
     batch = build(case)
+    o_ref, lse_ref = run_reference(case, batch)
     for victim in (2, 4):
         k, v = batch.k.clone(), batch.v.clone()
         kv_rows = slice(int(batch.kv_indptr[victim]), int(batch.kv_indptr[victim + 1]))
         k[kv_rows], v[kv_rows] = math.nan, math.inf
         poisoned = Batch(**{**batch.__dict__, "k": k, "v": v})
         out, lse = run_ours(case, poisoned, **({"fixed_split_size": 250} if split else {}))  # ragged: tokens
-        rows = batch.qo_indptr.tolist()
-        others = torch.ones(out.shape[0], dtype=torch.bool, device=DEVICE)
-        others[rows[victim]:rows[victim + 1]] = False
-        o_ref, lse_ref = run_reference(case, batch)
+        others = rows_of_others(batch, victim)
         assert_matches_reference(case, out[others], lse[others], o_ref[others], lse_ref[others])
 
 
