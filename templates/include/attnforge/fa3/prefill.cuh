@@ -19,9 +19,10 @@
 //   item (request, q tile, kv token range [begin, end)) for one kv head, numbered kv-head-major
 //   in the plan's order (longest items first); a CTA runs job blockIdx.x, then takes the next
 //   untaken one from the plan's job counter until none is left (the counter is 0 again after each
-//   launch). block = 128 threads per warpgroup: warpgroup 0 produces, the next 2 (hd 64, 16-bit:
-//   3) consume. A job's kBlockM = 64 x consumers rows are packed (token, head-in-group) rows: row
-//   p -> token p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
+//   launch), one job ahead: while the current job's first tiles load. block = 128 threads per
+//   warpgroup: warpgroup 0 produces, the next 2 (hd 64, 16-bit: 3) consume. A job's kBlockM = 64
+//   x consumers rows are packed (token, head-in-group) rows: row p -> token p / group, head
+//   p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
 //   Q: the producer loads the tile once the previous job's last Q K^T is done (q_empty): by TMA,
 //   a box of whole tokens' group heads per 128-byte column block, when the group divides the tile
 //   and q's strides allow, else by cp.async; then q_full. The producer thus runs into the next job
@@ -105,6 +106,27 @@ __host__ __device__ constexpr int p_key_of_slot(int slot) {
 
 struct PageRow {
   int32_t page, in_page;
+};
+
+// The CTA's share of one work item, as both roles derive it from the plan.
+struct WorkTile {
+  int request, qo_begin, qo_len, kv_len;
+  int row_begin, rows;      // packed rows [row_begin, row_begin + rows) of the request
+  int pos_shift;            // q_pos = token + pos_shift (bottom-right aligned)
+  int first_token, last_token;
+  int begin, end;           // kv tokens, narrowed to what some row can see
+  int slot;                 // first partial slot, -1: write o directly
+};
+
+// A job as producer thread 0 hands it to its warpgroup and to the consumers: its number (>= the
+// plan's jobs: none left), kv head and work item's share, read from the plan once (a chain of
+// dependent loads: the job's item, then its request's rows and keys). Same-run A/B, bf16 hd 128,
+// of thread 0 reading it while the job before loads against every thread reading it from the
+// plan at the job's start (and the consumers again at its store): causal +2..+5% at 4 x 4096
+// and 16 x 1024 tokens, non-causal 1 x 16384 +1.5%.
+struct JobSlot {
+  int job, kv_head;
+  WorkTile work;
 };
 
 template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
@@ -263,8 +285,8 @@ struct PrefillTraits {
     uint64_t item_done[2];
     // The CTA's jobs, as the producer takes them from the plan's counter: to its own warpgroup
     // (alternating: a job without kv tiles passes no other producer barrier), and to the
-    // consumers through two slots.
-    int32_t producer_next_job[2], job[2];
+    // consumers through two slots, each held until the consumers have stored the job.
+    JobSlot producer_jobs[2], jobs[2];
     uint64_t job_full[2], job_empty[2];
     uint64_t q_full, q_empty;
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
@@ -293,16 +315,6 @@ struct KernelArgs {
 // Named barrier ids (0 is __syncthreads).
 constexpr int kBarrierProducer = 1;  // the producer warpgroup among itself (page table written, gathered copies issued)
 constexpr int kBarrierTransposer = 5;  // consumer warpgroup 1 transposing fp8 V tiles, among itself
-
-// The CTA's share of one work item, as both roles derive it from the plan.
-struct WorkTile {
-  int request, qo_begin, qo_len, kv_len;
-  int row_begin, rows;      // packed rows [row_begin, row_begin + rows) of the request
-  int pos_shift;            // q_pos = token + pos_shift (bottom-right aligned)
-  int first_token, last_token;
-  int begin, end;           // kv tokens, narrowed to what some row can see
-  int slot;                 // first partial slot, -1: write o directly
-};
 
 template <typename T>
 __device__ __forceinline__ WorkTile load_work_tile(const typename T::Params& p, const int32_t* plan, int work,
@@ -758,19 +770,22 @@ __device__ __forceinline__ void report_item(typename T::SharedStorage& smem, int
   if (bad_page) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
 }
 
-template <typename T>
-__device__ __forceinline__ void produce(typename T::SharedStorage& smem, const KernelArgs<T>& args, int job,
-                                        const common::FastDivmod& group, PipelineCount<T::kStages>& count) {
+template <typename T, typename ClaimNext>
+__device__ __forceinline__ void produce(typename T::SharedStorage& smem, const KernelArgs<T>& args, const JobSlot& job,
+                                        const common::FastDivmod& group, PipelineCount<T::kStages>& count,
+                                        ClaimNext claim_next) {
   using DTypeKV = typename T::DTypeKV;
   using Barrier = cutlass::arch::ClusterBarrier;
   const auto& p = args.p;
   auto* plan = static_cast<int32_t*>(p.plan);
   const int tid = threadIdx.x;
-  const Job j = job_of(p, job);
-  const int kv_head = j.kv_head;
-  const WorkTile w = load_work_tile<T>(p, plan, j.work, group);
+  const int kv_head = job.kv_head;
+  const WorkTile w = job.work;
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
-  if (num_tiles == 0) return;  // consumers store zeros without waiting for anything
+  if (num_tiles == 0) {  // consumers store zeros without waiting for anything
+    claim_next();
+    return;
+  }
 
   Barrier::wait(&smem.q_empty, (count.items & 1) ^ 1);  // the previous item's last Q K^T is done
   load_q_tile<T>(smem, args, w, group, kv_head, tid);
@@ -790,6 +805,8 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
   // fp8: the first tile whose V rows are not yet requested.
   int unrequested = 0;
   for (int n = 0; n < num_tiles; ++n) {
+    // Once the stages are full, the producer would wait for the consumers anyway.
+    if (n == T::kStages) claim_next();
     const int stage = count.stage(n);
     const uint32_t free_phase = count.phase(n) ^ 1;  // a fresh barrier counts as released
     const int first = tile_first<T>(w, n);
@@ -867,6 +884,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
       arrive_gathered(&smem.v_full[stage], tid);
     }
   }
+  if (num_tiles <= T::kStages) claim_next();
   count.advance(num_tiles);
   report_item<T>(smem, plan, count.items++, bad_page, tid);
 }
@@ -1201,17 +1219,15 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
 __device__ __forceinline__ int warp_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
 
 template <typename T>
-__device__ __forceinline__ void consume(typename T::SharedStorage& smem, const KernelArgs<T>& args, int job,
+__device__ __forceinline__ void consume(typename T::SharedStorage& smem, const KernelArgs<T>& args, const JobSlot& job,
                                         const common::FastDivmod& group, PipelineCount<T::kStages>& count) {
   using namespace cute;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   const auto& p = args.p;
   const int ctid = threadIdx.x - T::kProducerThreads;  // across all consumer warpgroups
-  const auto* plan = static_cast<const int32_t*>(p.plan);
-  const Job j = job_of(p, job);
-  const int kv_head = j.kv_head;
-  const WorkTile w = load_work_tile<T>(p, plan, j.work, group);
+  const int kv_head = job.kv_head;
+  const WorkTile w = job.work;
 
   typename T::TiledMmaQK mma_qk;
   typename T::TiledMmaPV mma_pv;
@@ -1369,18 +1385,17 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
   const int item = count.items++;
   count.advance(num_tiles);
   Barrier::wait(&smem.item_done[item % 2], (item / 2) & 1);  // the producer has seen every page id
-  // The job's rows, read again from the plan: kept, they would hold registers through the kv loop.
-  const Job stored = job_of(p, job);
-  const WorkTile stored_w = load_work_tile<T>(p, plan, stored.work, group);
+  // The job's rows, read again from its slot: kept, they would hold registers through the kv loop.
+  const WorkTile stored_w = job.work;
   if constexpr (T::kDecodeItems) {  // the staging buffers this item's boxed tiles took
     count.staged += num_boxed_tiles<T>(args, stored_w, common::FastDivmod(p.page_size), num_tiles);
   }
-  store_rows<T>(p, stored_w, group, stored.kv_head, smem.item_bad_page[item % 2] != 0, m, d, o, o_coord);
+  store_rows<T>(p, stored_w, group, job.kv_head, smem.item_bad_page[item % 2] != 0, m, d, o, o_coord);
 }
 
 // Dynamic persistent schedule: a CTA's first job is its blockIdx.x, each next one the first not
-// yet taken (the plan's counter, counted past the first grid's), so every SM takes the next job
-// as soon as it can, longest first (the plan's order). Each job is taken once, so the counter
+// yet taken (the plan's counter, counted past the first grid's), so every SM takes its next job
+// as soon as it has started one, longest first (the plan's order). Each job is taken once, so the counter
 // ends at num_jobs: whoever takes its last value puts it back to 0 for the next launch (a CUDA
 // graph replays it as is).
 __device__ __forceinline__ int next_job(int32_t* plan, int num_jobs) {
@@ -1390,28 +1405,42 @@ __device__ __forceinline__ int next_job(int32_t* plan, int num_jobs) {
   return first_grid + taken;
 }
 
-// Producer thread 0 hands job number `seq` of the CTA (>= num_jobs: none left) to everyone.
 template <typename T>
-__device__ __forceinline__ void publish_job(typename T::SharedStorage& smem, int seq, int job) {
+__device__ __forceinline__ JobSlot job_slot(const typename T::Params& p, const common::FastDivmod& group, int job) {
+  JobSlot slot{job, 0, {}};
+  if (job < num_jobs_of(p)) {
+    const Job j = job_of(p, job);
+    slot.kv_head = j.kv_head;
+    slot.work = load_work_tile<T>(p, static_cast<const int32_t*>(p.plan), j.work, group);
+  }
+  return slot;
+}
+
+// Producer thread 0 hands job number `seq` of the CTA to the consumers.
+template <typename T>
+__device__ __forceinline__ void publish_job(typename T::SharedStorage& smem, int seq, const JobSlot& slot) {
   using Barrier = cutlass::arch::ClusterBarrier;
   Barrier::wait(&smem.job_empty[seq % 2], ((seq / 2) & 1) ^ 1);  // a fresh barrier counts as released
-  smem.job[seq % 2] = job;
+  smem.jobs[seq % 2] = slot;
   Barrier::arrive(&smem.job_full[seq % 2]);
 }
 
-// A consumer thread's job number `seq`, its slot released once read.
+// A consumer thread's job number `seq`; its slot stays the consumers' until release_job.
 template <typename T>
-__device__ __forceinline__ int take_job(typename T::SharedStorage& smem, int seq) {
+__device__ __forceinline__ const JobSlot& take_job(typename T::SharedStorage& smem, int seq) {
   using Barrier = cutlass::arch::ClusterBarrier;
   Barrier::wait(&smem.job_full[seq % 2], (seq / 2) & 1);
-  const int job = smem.job[seq % 2];
-  Barrier::arrive(&smem.job_empty[seq % 2]);
-  return job;
+  return smem.jobs[seq % 2];
+}
+template <typename T>
+__device__ __forceinline__ void release_job(typename T::SharedStorage& smem, int seq) {
+  cutlass::arch::ClusterBarrier::arrive(&smem.job_empty[seq % 2]);
 }
 
 // Persistent: one CTA per SM slot, each running jobs (next_job) until none is left. Within a CTA
 // the producer runs ahead into the next job (its Q once the last Q K^T of this one is done, its
-// K/V tiles as stages free up) while the consumers finish and store this one.
+// K/V tiles as stages free up) while the consumers finish and store this one; each job comes to
+// both roles through shared memory, read from the plan once.
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_constant__ KernelArgs<T> args) {
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -1454,23 +1483,31 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   PipelineCount<T::kStages> count;
   if (threadIdx.x < T::kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    int job = blockIdx.x;
+    if (threadIdx.x == 0) smem.producer_jobs[0] = job_slot<T>(p, group, blockIdx.x);
+    cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
     for (int seq = 0;; ++seq) {
+      const JobSlot& job = smem.producer_jobs[seq % 2];
       if (threadIdx.x == 0) publish_job<T>(smem, seq, job);
-      if (job >= num_jobs_of(p)) break;
-      produce<T>(smem, args, job, group, count);
-      // Taken once this job's loads are all issued: the latest moment keeps the schedule greedy.
-      if (threadIdx.x == 0) smem.producer_next_job[seq % 2] = next_job(static_cast<int32_t*>(p.plan), num_jobs_of(p));
+      if (job.job >= num_jobs_of(p)) break;
+      // The next job, taken and read from the plan by thread 0 while this one's tiles load (an
+      // atomic and a chain of dependent loads): taken after the job's last load, as before, they
+      // delayed the next Q, for which the consumers wait at every job's start.
+      produce<T>(smem, args, job, group, count, [&] {
+        if (threadIdx.x == 0) {
+          smem.producer_jobs[(seq + 1) % 2] =
+              job_slot<T>(p, group, next_job(static_cast<int32_t*>(p.plan), num_jobs_of(p)));
+        }
+      });
       cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
-      job = smem.producer_next_job[seq % 2];
     }
     common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     for (int seq = 0;; ++seq) {
-      const int job = take_job<T>(smem, seq);
-      if (job >= num_jobs_of(p)) break;
+      const JobSlot& job = take_job<T>(smem, seq);
+      if (job.job >= num_jobs_of(p)) break;
       consume<T>(smem, args, job, group, count);
+      release_job<T>(smem, seq);
     }
   }
 }
