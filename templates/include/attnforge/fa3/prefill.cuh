@@ -19,7 +19,7 @@
 //   item (request, q tile, kv token range [begin, end)) for one kv head, numbered kv-head-major
 //   in the plan's order (longest items first); a CTA runs job blockIdx.x, then takes the next
 //   untaken one from the plan's job counter until none is left (the counter is 0 again after each
-//   launch), one job ahead: while the current job's first tiles load. block = 128 threads per
+//   launch), 16-bit ragged kernels one job ahead (kClaimEarly). block = 128 threads per
 //   warpgroup: warpgroup 0 produces, the next 2 (hd 64, 16-bit: 3) consume. A job's kBlockM = 64
 //   x consumers rows are packed (token, head-in-group) rows: row p -> token p / group, head
 //   p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
@@ -220,6 +220,12 @@ struct PrefillTraits {
   // same-run A/B) and fp8 up to hd 128 (V transposes: it spilled 92 bytes at 40). fp8 hd 256's
   // consumers need all 232. Three consumers: 128 x (128 - 32) = 384 x (160 - 128).
   static constexpr bool kBusyProducer = kFp8 ? kHeadDimVO <= 128 : kPagedKV;
+  // Where producer thread 0 takes the next job and reads it from the plan (produce): once the
+  // stages are full where the producer then waits for the consumers (16-bit ragged), else after
+  // the job's last tile. Paged and fp8 producers (page ids, V transposes) are the slower role, and
+  // their warpgroup would wait for thread 0 in the middle of the job: benchmark run against the
+  // previous session's, fa3 paged prefill -1..-3%, fp8 decode 1.65-1.68x -> 1.61-1.64x.
+  static constexpr bool kClaimEarly = !kFp8 && !kPagedKV;
   static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : kBusyProducer ? 56 : 40;
   static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : kBusyProducer ? 224 : 232;
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
@@ -805,8 +811,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
   // fp8: the first tile whose V rows are not yet requested.
   int unrequested = 0;
   for (int n = 0; n < num_tiles; ++n) {
-    // Once the stages are full, the producer would wait for the consumers anyway.
-    if (n == T::kStages) claim_next();
+    if (T::kClaimEarly && n == T::kStages) claim_next();
     const int stage = count.stage(n);
     const uint32_t free_phase = count.phase(n) ^ 1;  // a fresh barrier counts as released
     const int first = tile_first<T>(w, n);
@@ -884,7 +889,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
       arrive_gathered(&smem.v_full[stage], tid);
     }
   }
-  if (num_tiles <= T::kStages) claim_next();
+  if (!T::kClaimEarly || num_tiles <= T::kStages) claim_next();
   count.advance(num_tiles);
   report_item<T>(smem, plan, count.items++, bad_page, tid);
 }
@@ -1395,7 +1400,7 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
 
 // Dynamic persistent schedule: a CTA's first job is its blockIdx.x, each next one the first not
 // yet taken (the plan's counter, counted past the first grid's), so every SM takes its next job
-// as soon as it has started one, longest first (the plan's order). Each job is taken once, so the counter
+// as it goes (kClaimEarly), longest first (the plan's order). Each job is taken once, so the counter
 // ends at num_jobs: whoever takes its last value puts it back to 0 for the next launch (a CUDA
 // graph replays it as is).
 __device__ __forceinline__ int next_job(int32_t* plan, int num_jobs) {
@@ -1489,9 +1494,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
       const JobSlot& job = smem.producer_jobs[seq % 2];
       if (threadIdx.x == 0) publish_job<T>(smem, seq, job);
       if (job.job >= num_jobs_of(p)) break;
-      // The next job, taken and read from the plan by thread 0 while this one's tiles load (an
-      // atomic and a chain of dependent loads): taken after the job's last load, as before, they
-      // delayed the next Q, for which the consumers wait at every job's start.
+      // The next job, taken and read from the plan by thread 0 (an atomic and a chain of
+      // dependent loads; T::kClaimEarly says when): after the job's last load they delay the next
+      // Q, for which the consumers wait at every job's start.
       produce<T>(smem, args, job, group, count, [&] {
         if (threadIdx.x == 0) {
           smem.producer_jobs[(seq + 1) % 2] =
