@@ -223,8 +223,9 @@ struct PrefillTraits {
   // Where producer thread 0 takes the next job and reads it from the plan (produce): once the
   // stages are full where the producer then waits for the consumers (16-bit ragged), else after
   // the job's last tile. Paged and fp8 producers (page ids, V transposes) are the slower role, and
-  // their warpgroup would wait for thread 0 in the middle of the job: benchmark run against the
-  // previous session's, fa3 paged prefill -1..-3%, fp8 decode 1.65-1.68x -> 1.61-1.64x.
+  // their warpgroup would wait for thread 0 in the middle of the job: fp8 tensor-core decode with
+  // the early claim, same-run A/B, 155 -> 158 us (group 1), 156 -> 161 us (group 8); paged prefill
+  // read 1-3% lower with it (two runs compared, not a same-run A/B).
   static constexpr bool kClaimEarly = !kFp8 && !kPagedKV;
   static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : kBusyProducer ? 56 : 40;
   static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : kBusyProducer ? 224 : 232;
@@ -1430,7 +1431,8 @@ __device__ __forceinline__ void publish_job(typename T::SharedStorage& smem, int
   Barrier::arrive(&smem.job_full[seq % 2]);
 }
 
-// A consumer thread's job number `seq`; its slot stays the consumers' until release_job.
+// The slot of the CTA's job `seq`, as a consumer thread takes it; it stays the consumers' until
+// release_job.
 template <typename T>
 __device__ __forceinline__ const JobSlot& take_job(typename T::SharedStorage& smem, int seq) {
   using Barrier = cutlass::arch::ClusterBarrier;
