@@ -224,8 +224,9 @@ struct PrefillTraits {
   // stages are full where the producer then waits for the consumers (16-bit ragged), else after
   // the job's last tile. Paged and fp8 producers (page ids, V transposes) are the slower role, and
   // their warpgroup would wait for thread 0 in the middle of the job: fp8 tensor-core decode with
-  // the early claim, same-run A/B, 155 -> 158 us (group 1), 156 -> 161 us (group 8); paged prefill
-  // read 1-3% lower with it (two runs compared, not a same-run A/B).
+  // the early claim (and the next Q's L2 prefetch, neutral alone), same-run A/B, 155 -> 158 us
+  // (group 1), 156 -> 161 us (group 8); paged prefill read 1-3% lower with it (two runs compared,
+  // not a same-run A/B).
   static constexpr bool kClaimEarly = !kFp8 && !kPagedKV;
   static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : kBusyProducer ? 56 : 40;
   static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : kBusyProducer ? 224 : 232;
