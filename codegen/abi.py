@@ -211,6 +211,7 @@ PREFILL_PARAMS = _struct(
     ("page_size", "int32_t", "tokens per page (1 when ragged)"),
     ("num_pages", "int32_t", "pages in the cache; a page id outside [0, num_pages) is flagged (ragged: kv rows)"),
     ("q_tokens", "int32_t", "rows of q (its first dim): what fa3's Q tensor map covers"),
+    ("one_token_requests", "int32_t", "1: no request of the plan has more than one query token (fa3 fp8: its decode kernels may run)"),
     ("work_capacity", "int32_t", "work items the plan holds (static under CUDA graphs): the grid covers them"),
     ("max_ctas", "int32_t", "CTAs the device runs at once (SMs x CTAs per SM): fa3's persistent grid"),
     ("row_capacity", "int32_t", "rows the merge kernel covers (static under CUDA graphs)"),

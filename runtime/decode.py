@@ -170,6 +170,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._tensor_cores = BatchPrefillWithPagedKVCacheWrapper(
                 float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indices_buf=paged_kv_indices_buffer,
                 backend="fa2" if self._backend == "auto" else self._backend)
+            self._tensor_cores._decode_plans = True
 
     @property
     def is_cuda_graph_enabled(self) -> bool:

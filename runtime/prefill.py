@@ -90,6 +90,11 @@ class _Plan:
     keep_alive: tuple  # device tensors the kernel reads (page ids, packed mask)
 
 
+def one_token_requests(qo_indptr: torch.Tensor) -> bool:
+    """Whether no request of the (host) qo_indptr has more than one query token."""
+    return bool((qo_indptr[1:] - qo_indptr[:-1]).max() <= 1)
+
+
 class _BatchPrefillWrapper:
     """plan()/run() machinery shared by the paged and ragged wrappers."""
 
@@ -108,6 +113,9 @@ class _BatchPrefillWrapper:
         self._image = PlanImage(self._device, fixed_address=self._graph)
         self._plan: _Plan | None = None
         self._debug = settings().debug
+        # Set by the tensor-core decode wrapper, whose plans have one query token per request: a
+        # CUDA-graph replay keeps the kernel it captured, so only such a wrapper may promise it.
+        self._decode_plans = False
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -223,6 +231,7 @@ class _BatchPrefillWrapper:
             page_size=kv_page, work_capacity=capacity if self._graph else info.num_work, max_ctas=max_ctas,
             row_capacity=rows, causal=int(bool(causal)), window_left=window_left, cta_tile_q=tile,
             paged=int(self._paged), run_merge=int(self._graph or info.num_partials > 0), device=device_index,
+            one_token_requests=int(self._decode_plans if self._graph else one_token_requests(qo_indptr)),
             debug_sync=int(self._debug), rope_rcp_scale=1.0 / rope_scale, rope_rcp_theta=1.0 / rope_theta,
             **offsets)
         self._plan = _Plan(

@@ -152,13 +152,22 @@ def test_fa3_fp8_as_many_queries_as_requests_matches_dequantized_reference(layou
     check_against_reference(128, 0, LAYOUTS[layout], capsys, lens=lens)
 
 
+@pytest.mark.parametrize("layout", ["page16", "page200"])
+def test_fa3_fp8_one_token_requests_match_dequantized_reference(layout, capsys):
+    """A paged prefill plan of one query token per request (group 4) takes the decode kernel with
+    the keys along M: requests of 1 to 4096 keys (a partial tile alone, whole tiles, a gathered last
+    tile), boxed pages and gathered ones (200)."""
+    lens = ([1] * 8, [1, 7, 128, 129, 4096, 300, 2000, 64])
+    check_against_reference(128, 0, LAYOUTS[layout], capsys, lens=lens)
+
+
 @pytest.mark.parametrize("group", [1, 4, 8, 12, 16, 64, 80])
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_fa3_fp8_tensor_core_decode_matches_dequantized_reference(head_dim, group):
-    """Tensor-core decode on fa3 fp8 (the kernel's decode instantiation) against the reference, at
-    groups whose rows fill part of warp 0 (1-8: its second half of rows idle), all of it (12, 16),
-    all of consumer warpgroup 0 (64), or spill into warpgroup 1 (80: both compute, the producer
-    transposes V)."""
+    """Tensor-core decode on fa3 fp8 (the kernel's decode instantiations) against the reference, at
+    groups of at most 8 rows (hd 128: the keys along M; hd 256: part of warp 0, its second half of
+    rows idle), all of warp 0 (12, 16), all of consumer warpgroup 0 (64), or spilling into
+    warpgroup 1 (80: both compute, the producer transposes V)."""
     gen = torch.Generator(device=DEVICE).manual_seed(group + head_dim)
     batch, kv_heads, page_size = 9, 2, 16
     kv_lens = torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(group)).tolist()

@@ -6,7 +6,8 @@
 //   is stored transposed (kv contiguous): boxed V tiles land by TMA as rows in staging buffers
 //   (several, so later tiles' rows land during this tile's transpose) and the producer transposes
 //   them into the stage with ldmatrix and byte permutes (in the decode instantiation, one query
-//   token per request, consumer warpgroup 1 has no rows and does it instead: consumer_transposes);
+//   token per request, consumer warpgroup 1 has no rows and does it instead: consumer_transposes,
+//   and items of at most 8 rows put the keys along the wgmma's M: consume_keys_along_m);
 //   gathered V tiles are transposed on their way from global memory. The kv order within each 32
 //   keys is the one P's registers come in (p_key_of_slot). P is e4m3 whatever V's format, 2^8
 //   times the softmax weights to use its range; o / d cancels that and lse takes it back.
@@ -130,7 +131,7 @@ struct JobSlot {
 };
 
 template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
-          bool kPagedKV_, bool kSoftCap_, bool kSlidingWindow_, bool kDecodeItems_ = false>
+          bool kPagedKV_, bool kSoftCap_, bool kSlidingWindow_, int kDecodeRows_ = 0>
 struct PrefillTraits {
   using Params = Params_;
   using DTypeQ = DTypeQ_;
@@ -143,12 +144,17 @@ struct PrefillTraits {
   static constexpr bool kSlidingWindow = kSlidingWindow_;
 
   static constexpr bool kFp8 = sizeof(DTypeKV) == 1;
-  // The instantiation that launch_prefill picks for plans of one query token per request (the
-  // tensor-core decode wrapper's), fp8 paged only: there consumer warpgroup 1, which has no rows,
-  // transposes the boxed V tiles in place of the producer (consumer_transposes).
-  static constexpr bool kDecodeItems = kDecodeItems_;
-  using WithDecodeItems = PrefillTraits<Params_, DTypeQ_, DTypeKV_, DTypeO_, kHeadDimQK_, kHeadDimVO_, kPagedKV_,
-                                        kSoftCap_, kSlidingWindow_, true>;
+  // The instantiations that launch_prefill picks for plans of one query token per request (the
+  // tensor-core decode wrapper's), fp8 paged only; kDecodeRows: the most rows one of their items
+  // holds (0: the prefill kernel). There consumer warpgroup 1, which has no rows, transposes the
+  // boxed V tiles in place of the producer (consumer_transposes); items of at most 8 rows (GQA
+  // groups up to 8) run with the keys along the wgmma's M (kKeysAlongM: consume_keys_along_m).
+  static constexpr int kDecodeRows = kDecodeRows_;
+  static constexpr bool kDecodeItems = kDecodeRows > 0;
+  static constexpr bool kKeysAlongM = kDecodeItems && kDecodeRows <= 8;
+  template <int kRows>
+  using WithDecodeRows = PrefillTraits<Params_, DTypeQ_, DTypeKV_, DTypeO_, kHeadDimQK_, kHeadDimVO_, kPagedKV_,
+                                       kSoftCap_, kSlidingWindow_, kRows>;
   static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one type (rule fa3-same-dtype-family)");
   static_assert(sizeof(DTypeO) == 2, "fa3 prefill dtypes: o is half or bf16 (rule o-not-fp8)");
   static constexpr int kElementBytes = int(sizeof(DTypeKV));
@@ -167,10 +173,13 @@ struct PrefillTraits {
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
   static constexpr int kConsumerWarpgroups = !kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64 ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
-  // Whether the kernel has a decode instantiation (WithDecodeItems) for launch_prefill to pick.
+  // Whether the kernel has decode instantiations (WithDecodeRows) for launch_prefill to pick; the
+  // keys along M up to hd 128 (at hd 256 the two P^T tiles do not fit beside two stages).
   static constexpr bool kHasDecodeItems = kFp8 && kPagedKV && kConsumerWarpgroups == 2;
+  static constexpr bool kHasKeysAlongM = kHasDecodeItems && kHeadDimQK <= 128 && kHeadDimVO <= 128;
   static_assert(!kDecodeItems || kHasDecodeItems,
                 "fa3 decode items: warpgroup 1 transposes fp8 V tiles of paged items of <= 64 rows");
+  static_assert(!kKeysAlongM || kHasKeysAlongM, "fa3 decode items with the keys along M: fp8 up to hd 128");
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
   // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
   // tile's kv rows must fill a 128-byte line, and (256, 256) then fits two stages and the staging.
@@ -283,6 +292,10 @@ struct PrefillTraits {
     alignas(1024) Element k[kStages * kBlockN * kHeadDimQK];
     alignas(1024) Element v[kStages * kBlockN * kHeadDimVO];
     alignas(1024) Element v_rows[kVStaging * kBlockN * kHeadDimVO];  // fp8: V as it lies in memory
+    // Keys along M: P^T of tiles n % 2, and the rows' maxima (by tile parity) and sums of the four
+    // warps (each warp's keys are a quarter of the tile's).
+    alignas(1024) ElementP p[kKeysAlongM ? 2 * 8 * kBlockN : 0];
+    float row_exchange[kKeysAlongM ? 3 * 4 * 8 : 0];
     // paged, gathered tiles: each row's page and slot in it (page -1 past end); ragged needs none.
     // One slot serves every gathered tile: it is only read while the tile's copies are issued, and
     // the producer warpgroup's barrier that ends them precedes the next fill.
@@ -966,8 +979,9 @@ __device__ __forceinline__ void row_maxima(const TensorS& s, const bool (&live)[
   }
 }
 
-// Online softmax over one tile of scores (rowcol view), in place: scores become 2^(s*scale - m).
-// m is kept in the base-2 scaled domain; d is this lane's partial sum until the final quad reduce.
+// Online softmax over one tile of scores (rows x the thread's keys), in place, given the rows'
+// maxima over the tile: scores become 2^(s*scale - m).
+// m is kept in the base-2 scaled domain; d is this thread's partial sum until the final reduce.
 // Returns in `alpha` the factor the rows' o must be multiplied by (the caller does it once the
 // P.V wgmma still reading o has finished).
 // `offset` (log2) scales the weights (and so d) by 2^offset; o / d is unchanged.
@@ -977,12 +991,11 @@ __device__ __forceinline__ void row_maxima(const TensorS& s, const bool (&live)[
 // A row that is not `live` (its warp's rows all lie past the item's) is left as it is: its P only
 // reaches o rows that are never stored.
 template <typename TensorS>
-__device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], const float (&scale)[2],
-                                               float offset, float max_lag, const bool (&live)[2], float (&alpha)[2]) {
+__device__ __forceinline__ void softmax_rows(TensorS& s, const float (&row_max)[2], float (&m)[2], float (&d)[2],
+                                             const float (&scale)[2], float offset, float max_lag,
+                                             const bool (&live)[2], float (&alpha)[2]) {
   using namespace cute;
   static_assert(decltype(size<0>(s))::value == 2, "fa3: two rows per thread");
-  float row_max[2];
-  row_maxima(s, live, row_max);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     alpha[r] = 1.f;
@@ -1002,6 +1015,15 @@ __device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float 
       d[r] += s(r, c);
     }
   }
+}
+
+// softmax_rows over a tile in the rowcol view, whose rows' maxima lie in the lane quads.
+template <typename TensorS>
+__device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], const float (&scale)[2],
+                                               float offset, float max_lag, const bool (&live)[2], float (&alpha)[2]) {
+  float row_max[2];
+  row_maxima(s, live, row_max);
+  softmax_rows(s, row_max, m, d, scale, offset, max_lag, live, alpha);
 }
 
 template <typename TensorO>
@@ -1110,52 +1132,114 @@ __device__ __forceinline__ void store_o_row(DTypeO* o_row, bool stored, float in
   }
 }
 
-// Normalize (fp8: times the kv head's v scale) and store the thread's rows: o/lse directly, or the
-// fp32 partial slot of the chunk. Every lane runs the quad exchanges, stored rows or not.
+// A row of the item on its way out: its token and qo head, its normalization (fp8: times the kv
+// head's v scale) and lse, and where they go: o's row and lse (w.slot < 0), else the fp32 partial
+// row and lse of the chunk.
+template <typename T>
+struct RowOutput {
+  int token, qo_head;
+  float inv_d, lse;
+
+  __device__ __forceinline__ typename T::DTypeO* o_row(const typename T::Params& p, const WorkTile& w) const {
+    return static_cast<typename T::DTypeO*>(p.o) + int64_t(w.qo_begin + token) * p.o_stride_n +
+           int64_t(qo_head) * p.o_stride_h;
+  }
+  __device__ __forceinline__ float* lse_at(const typename T::Params& p, const WorkTile& w) const {
+    return static_cast<float*>(p.lse) + int64_t(w.qo_begin + token) * p.num_qo_heads + qo_head;
+  }
+  __device__ __forceinline__ int64_t partial_row(const typename T::Params& p, const WorkTile& w, int num_chunks) const {
+    return int64_t(w.slot + token * num_chunks) * p.num_qo_heads + qo_head;
+  }
+};
+
+// What a job's rows share on their way out.
+struct ItemOutput {
+  int num_chunks;  // the request's (w.slot >= 0)
+  float v_scale;
+  bool bad_page;
+};
+
+template <typename T>
+__device__ __forceinline__ ItemOutput item_output(const typename T::Params& p, const WorkTile& w, int kv_head,
+                                                  bool bad_page) {
+  return {w.slot >= 0 ? static_cast<const int32_t*>(p.plan)[p.off_num_chunks + w.request] : 0,
+          T::kFp8 ? head_scale(p.v_scale, p.v_scale_stride, kv_head) : 1.f, bad_page};
+}
+
+template <typename T>
+__device__ __forceinline__ RowOutput<T> row_output(const typename T::Params& p, const WorkTile& w,
+                                                   const common::FastDivmod& group, int kv_head,
+                                                   const ItemOutput& item, int row, float m, float d) {
+  RowOutput<T> out;
+  int head_in_group;
+  group.divmod(w.row_begin + row, out.token, head_in_group);
+  out.qo_head = kv_head * p.group_size + head_in_group;
+  // The approximate division and log2 (MUFU.RCP, MUFU.LG2; d is a sum of weights below 2^9 each,
+  // far from __fdividef's 2^126 limit) shorten the store's dependent chain: same-run A/Bs, bf16
+  // hd 128, 4 x 4096 causal +2..+3%, 16 x 1024 +1..+3%, 64 x 256 non-causal +4%, long non-causal
+  // within the spread.
+  out.inv_d = item.bad_page ? NAN : (d > 0.f ? __fdividef(item.v_scale, d) : 0.f);
+  out.lse = item.bad_page ? NAN : (d > 0.f ? m + __log2f(d) - T::kPExponentOffset : common::kNegInf);
+  return out;
+}
+
+// Normalize and store the thread's rows: o/lse directly, or the fp32 partial slot of the chunk.
+// Every lane runs the quad exchanges, stored rows or not.
 template <typename T, typename TensorO, typename TensorC>
 __device__ __forceinline__ void store_rows(const typename T::Params& p, const WorkTile& w,
                                            const common::FastDivmod& group, int kv_head, bool bad_page,
                                            const float (&m)[2], const float (&d)[2], TensorO& o, TensorC& coord) {
   using namespace cute;
-  using DTypeO = typename T::DTypeO;
   const int lane = threadIdx.x % 32;
-  const int num_chunks = w.slot >= 0 ? static_cast<const int32_t*>(p.plan)[p.off_num_chunks + w.request] : 0;
-  const float v_scale = T::kFp8 ? head_scale(p.v_scale, p.v_scale_stride, kv_head) : 1.f;
+  const ItemOutput item = item_output<T>(p, w, kv_head, bad_page);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = get<0>(coord(r, 0));
     const bool stored = row < w.rows;
-    int token, head_in_group;
-    group.divmod(w.row_begin + row, token, head_in_group);
-    const int qo_head = kv_head * p.group_size + head_in_group;
-    // The approximate division and log2 (MUFU.RCP, MUFU.LG2; d is a sum of weights below 2^9 each,
-    // far from __fdividef's 2^126 limit) shorten the store's dependent chain: same-run A/Bs, bf16
-    // hd 128, 4 x 4096 causal +2..+3%, 16 x 1024 +1..+3%, 64 x 256 non-causal +4%, long non-causal
-    // within the spread.
-    const float inv_d = bad_page ? NAN : (d[r] > 0.f ? __fdividef(v_scale, d[r]) : 0.f);
-    const float lse = bad_page ? NAN : (d[r] > 0.f ? m[r] + __log2f(d[r]) - T::kPExponentOffset : common::kNegInf);
+    const RowOutput<T> out = row_output<T>(p, w, group, kv_head, item, row, m[r], d[r]);
     if (w.slot < 0) {
-      DTypeO* o_row = static_cast<DTypeO*>(p.o) + int64_t(w.qo_begin + token) * p.o_stride_n + int64_t(qo_head) * p.o_stride_h;
-      store_o_row(o_row, stored, inv_d, r, o, coord);
-      if (stored && p.lse != nullptr && lane % 4 == 0) static_cast<float*>(p.lse)[int64_t(w.qo_begin + token) * p.num_qo_heads + qo_head] = lse;
+      store_o_row(out.o_row(p, w), stored, out.inv_d, r, o, coord);
+      if (stored && p.lse != nullptr && lane % 4 == 0) *out.lse_at(p, w) = out.lse;
     } else if (stored) {
-      const int64_t prow = int64_t(w.slot + token * num_chunks) * p.num_qo_heads + qo_head;
+      const int64_t prow = out.partial_row(p, w, item.num_chunks);
       float* partial = static_cast<float*>(p.tmp_v) + prow * T::kHeadDimVO;
 #pragma unroll
       for (int c = 0; c < size<1>(o); c += 2) {
-        *reinterpret_cast<float2*>(partial + get<1>(coord(r, c))) = make_float2(o(r, c) * inv_d, o(r, c + 1) * inv_d);
+        *reinterpret_cast<float2*>(partial + get<1>(coord(r, c))) = make_float2(o(r, c) * out.inv_d, o(r, c + 1) * out.inv_d);
       }
-      if (lane % 4 == 0) static_cast<float*>(p.tmp_s)[prow] = lse;
+      if (lane % 4 == 0) static_cast<float*>(p.tmp_s)[prow] = out.lse;
     }
   }
 }
 
-// Scale (soft cap) and mask one tile of raw scores; `scale` gets the per-row factor the softmax
-// still applies (the rows' score_scale, or 1 once the soft cap has applied it).
-template <typename T, typename TensorS, typename TensorC>
+// Row `row` of the item: its query position and the factor q.k is scaled by (fp8: times the per-head
+// scales).
+template <typename T>
+__device__ __forceinline__ void row_factors(const typename T::Params& p, const WorkTile& w,
+                                            const common::FastDivmod& group, int kv_head, int row, int& q_pos,
+                                            float& score_scale) {
+  int token, head_in_group;
+  group.divmod(w.row_begin + row, token, head_in_group);
+  q_pos = token + w.pos_shift;
+  score_scale = p.sm_scale_log2;
+  if constexpr (T::kFp8) {
+    score_scale *= head_scale(p.q_scale, p.q_scale_stride, kv_head * p.group_size + head_in_group) *
+                   head_scale(p.k_scale, p.k_scale_stride, kv_head);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ KeyMask<T> key_mask(const typename T::Params& p, const WorkTile& w) {
+  return {w.end, w.pos_shift, p.window_left, w.first_token + w.pos_shift, w.last_token + w.pos_shift, p.causal != 0};
+}
+
+// Scale (soft cap) and mask one tile of raw scores, s(r, c) the score of the thread's row r and
+// its key key_of(r, c) of the tile; `scale` gets the per-row factor the softmax still applies (the
+// rows' score_scale, or 1 once the soft cap has applied it).
+template <typename T, typename TensorS, typename KeyOf>
 __device__ __forceinline__ void transform_scores(const typename T::Params& p, const KeyMask<T>& mask, bool masked,
                                                  int first, int from, const int (&q_pos)[2], const float (&score_scale)[2],
-                                                 TensorS& s, TensorC& coord, float (&scale)[2]) {
+                                                 TensorS& s, KeyOf key_of, float (&scale)[2]) {
   using namespace cute;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -1171,7 +1255,7 @@ __device__ __forceinline__ void transform_scores(const typename T::Params& p, co
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
       for (int c = 0; c < size<1>(s); ++c) {
-        if (!mask.visible(first + get<1>(coord(r, c)), from, q_pos[r])) s(r, c) = common::kNegInf;
+        if (!mask.visible(first + key_of(r, c), from, q_pos[r])) s(r, c) = common::kNegInf;
       }
     }
   }
@@ -1224,14 +1308,285 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
   Barrier::arrive(&smem.v_empty[last]);
 }
 
+// A consumer warpgroup at the end of a job with kv tiles: the pipeline's counts move past the item
+// (in decode items also the staging buffers its boxed tiles took), and the producer's verdict on
+// its page ids, once it has seen them all: whether the job's rows come out NaN.
+template <typename T>
+__device__ __forceinline__ bool end_item(typename T::SharedStorage& smem, const KernelArgs<T>& args, const WorkTile& w,
+                                         PipelineCount<T::kStages>& count, int num_tiles) {
+  const int item = count.items++;
+  count.advance(num_tiles);
+  cutlass::arch::ClusterBarrier::wait(&smem.item_done[item % 2], (item / 2) & 1);
+  if constexpr (T::kDecodeItems) count.staged += num_boxed_tiles<T>(args, w, common::FastDivmod(args.p.page_size), num_tiles);
+  return smem.item_bad_page[item % 2] != 0;
+}
+
 // x, which every lane of the warp holds, in a uniform register: redux.sync writes one, so the wgmma
 // descriptors derived from it stay on the uniform datapath instead of being built per thread and
 // moved over (R2UR) for every wgmma of every tile.
 __device__ __forceinline__ int warp_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
 
+// ---------------------------------------------------------------------------------------------
+// Decode items of at most 8 rows: the keys along M (T::kKeysAlongM)
+//
+// A decode item's rows are its request's GQA group, 1 to 8 of a 64-row wgmma's, and warpgroup 0's
+// chain per tile (two 64 x 128 x 128 wgmmas and the softmax) bounded the decode kernel: with its
+// math taken out the kernel ran 11% faster (design notes). Swapped, a tile's 128 keys are the M of
+// two 64-row wgmmas and the item's rows the N (8):
+//   S^T = K Q^T    (A: the K tile, B: Q's first 8 rows; both K-major as they lie),
+//   O^T += V^T P^T (A: the transposed V tile, B: P^T, which the softmax writes to shared memory
+//                   in V^T's key order),
+// an eighth of the tensor work and of the exp2s (same-run A/B, e4m3, batch 64 x kv 4096, page 16:
+// 157 -> 149 us at group 1, 162-171 -> 150 at group 4, 161 -> 151 at group 8). A thread holds 2 rows x 4 keys of S^T and 2 rows x
+// 4 dims of O^T (its rows 2 (l % 4) and + 1 of every accumulator's 8 columns); a row's max and sum
+// over a tile run over the 8 lanes that share its rows and across the 4 warps through shared
+// memory (across_warps), and P^T's writes meet on the same named barrier before the P.V wgmma.
+// Consumer warpgroup 1 transposes V as in the other decode items.
+constexpr int kBarrierKeysAlongM = 6;  // warpgroup 0 among itself
+
+// The slot of P's key k in V^T's order: the inverse of p_key_of_slot.
+__host__ __device__ constexpr int slot_of_p_key(int key) {
+  const int r = key % 16;
+  return key / 16 * 16 + 4 * (r % 8 / 2) + 2 * (r / 8) + r % 2;
+}
+constexpr bool slot_of_p_key_inverts() {
+  for (int slot = 0; slot < 32; ++slot) {
+    if (slot_of_p_key(p_key_of_slot(slot)) != slot) return false;
+  }
+  return true;
+}
+static_assert(slot_of_p_key_inverts(), "fa3: slot_of_p_key must invert p_key_of_slot");
+
 template <typename T>
-__device__ __forceinline__ void consume(typename T::SharedStorage& smem, const KernelArgs<T>& args, const JobSlot& job,
-                                        const common::FastDivmod& group, PipelineCount<T::kStages>& count) {
+struct KeysAlongM {
+  using Element = typename T::Element;
+  using ElementP = typename T::ElementP;
+  using TiledMmaKQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_8, cute::Int<T::kHeadDimQK>>>()));
+  using TiledMmaVP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, ElementP, float, cute::Shape<cute::_64, cute::_8, cute::Int<T::kBlockN>>>()));
+  // P^T of tiles n % 2: 8 rows of kBlockN keys, K-major.
+  using SmemLayoutP = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<ElementP>{},
+                                                   cute::Shape<cute::_8, cute::Int<T::kBlockN>, cute::_2>{}));
+  static constexpr int kExchangeFloats = 4 * 8;  // one per warp and row
+};
+
+// A swapped accumulator as (the item's rows, the thread's M values): rowcol with its modes exchanged.
+template <typename Layout>
+__device__ __forceinline__ constexpr auto colrow(Layout l) {
+  const auto rc = rowcol(l);
+  return cute::make_layout(cute::get<1>(rc), cute::get<0>(rc));
+}
+
+// The thread's two rows' values combined (max or sum) with the other warps' of warpgroup 0, whose
+// lanes l % 4 hold the same rows. `exchange`: kExchangeFloats of shared memory no thread may still
+// be reading from an earlier call (a named barrier of warpgroup 0 lies between).
+template <typename Combine>
+__device__ __forceinline__ void across_warps(float* exchange, const int (&rows)[2], float (&x)[2], Combine combine) {
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  if (lane < 4) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) exchange[8 * warp + rows[r]] = x[r];
+  }
+  cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierKeysAlongM);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float* at = exchange + rows[r];
+    x[r] = combine(combine(at[0], at[8]), combine(at[16], at[24]));
+  }
+}
+
+// The thread's stored rows of O^T, normalized: to o and lse, or the chunk's partial rows. Its 4
+// dims of a row lie 8 apart or more: single stores (at a job's end only).
+template <typename T, typename TensorO, typename TensorC>
+__device__ __forceinline__ void store_rows_keys_along_m(const typename T::Params& p, const WorkTile& w,
+                                                        const common::FastDivmod& group, int kv_head, bool bad_page,
+                                                        const int (&rows)[2], const float (&m)[2],
+                                                        const float (&d)[2], TensorO& o, TensorC& coord) {
+  using namespace cute;
+  using DTypeO = typename T::DTypeO;
+  const ItemOutput item = item_output<T>(p, w, kv_head, bad_page);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= w.rows) continue;
+    const RowOutput<T> out = row_output<T>(p, w, group, kv_head, item, rows[r], m[r], d[r]);
+    // Every warp holds the row's m and d: warp 0's lanes 0-3 write its lse.
+    const bool writes_lse = threadIdx.x % cutlass::NumThreadsPerWarpGroup < 4;
+    if (w.slot < 0) {
+      DTypeO* o_row = out.o_row(p, w);
+#pragma unroll
+      for (int c = 0; c < size<1>(o); ++c) o_row[get<0>(coord(r, c))] = DTypeO(o(r, c) * out.inv_d);
+      if (writes_lse && p.lse != nullptr) *out.lse_at(p, w) = out.lse;
+    } else {
+      const int64_t prow = out.partial_row(p, w, item.num_chunks);
+      float* partial = static_cast<float*>(p.tmp_v) + prow * T::kHeadDimVO;
+#pragma unroll
+      for (int c = 0; c < size<1>(o); ++c) partial[get<0>(coord(r, c))] = o(r, c) * out.inv_d;
+      if (writes_lse) static_cast<float*>(p.tmp_s)[prow] = out.lse;
+    }
+  }
+}
+
+// Warpgroup 0's part of a decode item of at most 8 rows (warpgroup 1 follows the pipeline and
+// transposes V): the same barriers, pingpong turns and software pipeline as `consume`.
+template <typename T>
+__device__ __forceinline__ void consume_keys_along_m(typename T::SharedStorage& smem, const KernelArgs<T>& args,
+                                                     const JobSlot& job, const common::FastDivmod& group,
+                                                     PipelineCount<T::kStages>& count) {
+  using namespace cute;
+  using Swapped = KeysAlongM<T>;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  const auto& p = args.p;
+  const int tid = threadIdx.x - T::kProducerThreads;
+  const int kv_head = job.kv_head;
+  const WorkTile w = job.work;
+
+  typename Swapped::TiledMmaKQ mma_kq;
+  typename Swapped::TiledMmaVP mma_vp;
+  // Shared operands' descriptors are the same for every thread: partitioned for thread 0, uniform.
+  auto operands_kq = mma_kq.get_thread_slice(0);
+  auto operands_vp = mma_vp.get_thread_slice(0);
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename T::SmemLayoutQ{});
+  Tensor tSrK = operands_kq.partition_fragment_A(make_tensor(make_smem_ptr(smem.k), typename T::SmemLayoutK{}));
+  Tensor tSrQ = operands_kq.partition_fragment_B(local_tile(sQ, Shape<_8, Int<T::kHeadDimQK>>{}, make_coord(0, 0)));
+  Tensor tOrV = operands_vp.partition_fragment_A(make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{}));
+  Tensor tOrP = operands_vp.partition_fragment_B(make_tensor(make_smem_ptr(smem.p), typename Swapped::SmemLayoutP{}));
+  Tensor tSrS = partition_fragment_C(mma_kq, Shape<Int<T::kBlockN>, _8>{});
+  Tensor tOrO = partition_fragment_C(mma_vp, Shape<Int<T::kHeadDimVO>, _8>{});
+  Tensor s = make_tensor(tSrS.data(), colrow(tSrS.layout()));
+  Tensor o = make_tensor(tOrO.data(), colrow(tOrO.layout()));
+  Tensor cS = mma_kq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, _8>{}));
+  Tensor s_coord = make_tensor(cS.data(), colrow(cS.layout()));  // (key, row)
+  Tensor cO = mma_vp.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<T::kHeadDimVO>, _8>{}));
+  Tensor o_coord = make_tensor(cO.data(), colrow(cO.layout()));  // (dim, row)
+  static_assert(decltype(size<0>(s))::value == 2 && decltype(size<1>(s))::value == 4,
+                "fa3 keys along M: a thread holds 2 rows x 4 keys of a 128-key tile");
+
+  float m[2] = {common::kNegInf, common::kNegInf};
+  float d[2] = {0.f, 0.f};
+  clear(tOrO);
+  int rows[2], q_pos[2];
+  float score_scale[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    rows[r] = get<1>(s_coord(r, 0));
+    row_factors<T>(p, w, group, kv_head, rows[r], q_pos[r], score_scale[r]);
+  }
+  const KeyMask<T> mask = key_mask<T>(p, w);
+  const int num_tiles = num_kv_tiles(w, T::kBlockN);
+  if (num_tiles == 0) {  // the producer skipped the item: nothing to wait for
+    store_rows_keys_along_m<T>(p, w, group, kv_head, false, rows, m, d, o, o_coord);
+    return;
+  }
+
+  auto issue_kq = [&](int stage) {
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    mma_kq.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+    for (int kb = 0; kb < size<2>(tSrK); ++kb) {
+      gemm(mma_kq, tSrK(_, _, kb, stage), tSrQ(_, _, kb), tSrS);
+      mma_kq.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  auto issue_vp = [&](int stage, int buffer) {
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < size<2>(tOrV); ++kb) gemm(mma_vp, tOrV(_, _, kb, stage), tOrP(_, _, kb, buffer), tOrO);
+    warpgroup_commit_batch();
+  };
+  auto wait_full = [&](uint64_t* bar, uint32_t phase) {
+    Barrier::wait(bar, phase);
+    cutlass::arch::fence_view_async_shared();  // cp.async wrote the tile through the generic proxy
+  };
+  // Tile n's scores to weights in place, its o rescale factors into alpha, and P^T of the tile
+  // written (buffer n % 2, whose last reader, the P.V wgmma of tile n - 2, every warp has waited
+  // for before the tile's first barrier).
+  auto softmax_tile = [&](int n, float (&alpha)[2]) {
+    const int first = tile_first<T>(w, n), from = tile_from<T>(w, n);
+    float scale[2];
+    transform_scores<T>(p, mask, mask.tile_needs_mask(first, from), first, from, q_pos, score_scale, s,
+                        [&](int r, int c) { return get<0>(s_coord(r, c)); }, scale);
+    float row_max[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[r] = common::lane_group_max<8, 4>(fmaxf(fmaxf(s(r, 0), s(r, 1)), fmaxf(s(r, 2), s(r, 3))));
+    }
+    across_warps(smem.row_exchange + n % 2 * Swapped::kExchangeFloats, rows, row_max,
+                 [](float a, float b) { return fmaxf(a, b); });
+    constexpr bool kLive[2] = {true, true};
+    softmax_rows(s, row_max, m, d, scale, T::kPExponentOffset, T::kMaxLag, kLive, alpha);
+    auto* p_bytes = reinterpret_cast<__nv_fp8_storage_t*>(smem.p);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        p_bytes[swizzled_offset<typename Swapped::SmemLayoutP, typename T::ElementP>(
+            rows[r], slot_of_p_key(get<0>(s_coord(r, c))), n % 2)] = __nv_cvt_float_to_fp8(s(r, c), __NV_SATFINITE, __NV_E4M3);
+      }
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierKeysAlongM);
+  };
+
+  float alpha[2];
+  scheduler_open<T>(0);
+  Barrier::wait(&smem.q_full, count.items & 1);
+  wait_full(&smem.k_full[count.stage(0)], count.phase(0));
+  scheduler_wait<T>(0);
+  issue_kq(warp_uniform(count.stage(0)));
+  scheduler_pass<T>(0);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tSrS);
+  Barrier::arrive(&smem.k_empty[count.stage(0)]);
+  if (num_tiles == 1) Barrier::arrive(&smem.q_empty);
+  softmax_tile(0, alpha);  // o is still zero: no rescale
+  if (num_tiles > 1) wait_full(&smem.k_full[count.stage(1)], count.phase(1));
+
+  for (int n = 1; n < num_tiles; ++n) {
+    const int stage = warp_uniform(count.stage(n)), prev = warp_uniform(count.stage(n - 1));
+    wait_full(&smem.v_full[prev], count.phase(n - 1));
+    scheduler_wait<T>(0);
+    issue_kq(stage);
+    issue_vp(prev, (n - 1) % 2);
+    scheduler_pass<T>(0);
+    warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
+    warpgroup_fence_operand(tSrS);
+    Barrier::arrive(&smem.k_empty[stage]);
+    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty);
+    softmax_tile(n, alpha);
+    if (n + 1 < num_tiles) wait_full(&smem.k_full[count.stage(n + 1)], count.phase(n + 1));
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    Barrier::arrive(&smem.v_empty[prev]);
+    rescale_rows(o, alpha);
+  }
+
+  const int last = count.stage(num_tiles - 1);
+  wait_full(&smem.v_full[last], count.phase(num_tiles - 1));
+  scheduler_wait<T>(0);
+  issue_vp(warp_uniform(last), (num_tiles - 1) % 2);
+  scheduler_close<T>(0);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tOrO);
+  Barrier::arrive(&smem.v_empty[last]);
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) d[r] = common::lane_group_sum<8, 4>(d[r]);
+  // The sums' own slots: the next job's first maxima may be exchanged before every warp read these.
+  across_warps(smem.row_exchange + 2 * Swapped::kExchangeFloats, rows, d, [](float a, float b) { return a + b; });
+  const WorkTile stored_w = job.work;
+  const bool bad_page = end_item<T>(smem, args, stored_w, count, num_tiles);
+  store_rows_keys_along_m<T>(p, stored_w, group, kv_head, bad_page, rows, m, d, o, o_coord);
+}
+
+// A consumer warpgroup's part of a job, the item's rows along the wgmmas' M.
+template <typename T>
+__device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& smem, const KernelArgs<T>& args,
+                                                     const JobSlot& job, const common::FastDivmod& group,
+                                                     PipelineCount<T::kStages>& count) {
   using namespace cute;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -1260,22 +1615,11 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
   float m[2] = {common::kNegInf, common::kNegInf};
   float d[2] = {0.f, 0.f};
   clear(tOrO);
-  // Per row: its query position and the factor q.k is scaled by (fp8: times the per-head scales).
   int q_pos[2];
   float score_scale[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    int token, head_in_group;
-    group.divmod(w.row_begin + get<0>(s_coord(r, 0)), token, head_in_group);
-    q_pos[r] = token + w.pos_shift;
-    score_scale[r] = p.sm_scale_log2;
-    if constexpr (T::kFp8) {
-      score_scale[r] *= head_scale(p.q_scale, p.q_scale_stride, kv_head * p.group_size + head_in_group) *
-                        head_scale(p.k_scale, p.k_scale_stride, kv_head);
-    }
-  }
-  KeyMask<T> mask{w.end, w.pos_shift, p.window_left, w.first_token + w.pos_shift, w.last_token + w.pos_shift,
-                  p.causal != 0};
+  for (int r = 0; r < 2; ++r) row_factors<T>(p, w, group, kv_head, get<0>(s_coord(r, 0)), q_pos[r], score_scale[r]);
+  const KeyMask<T> mask = key_mask<T>(p, w);
 
   const int wg = ctid / 128;
   auto issue_qk = [&](auto& s_acc, int stage) {
@@ -1320,7 +1664,8 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
     const int first = tile_first<T>(w, n), from = tile_from<T>(w, n);
     Tensor s = make_tensor(s_acc.data(), rowcol(s_acc.layout()));
     float scale[2];
-    transform_scores<T>(p, mask, mask.tile_needs_mask(first, from), first, from, q_pos, score_scale, s, s_coord, scale);
+    transform_scores<T>(p, mask, mask.tile_needs_mask(first, from), first, from, q_pos, score_scale, s,
+                        [&](int r, int c) { return get<1>(s_coord(r, c)); }, scale);
     online_softmax(s, m, d, scale, T::kPExponentOffset, T::kMaxLag, live, alpha);
   };
 
@@ -1393,15 +1738,28 @@ __device__ __forceinline__ void consume(typename T::SharedStorage& smem, const K
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) d[r] = common::lane_group_sum<4>(d[r]);
-  const int item = count.items++;
-  count.advance(num_tiles);
-  Barrier::wait(&smem.item_done[item % 2], (item / 2) & 1);  // the producer has seen every page id
   // The job's rows, read again from its slot: kept, they would hold registers through the kv loop.
   const WorkTile stored_w = job.work;
-  if constexpr (T::kDecodeItems) {  // the staging buffers this item's boxed tiles took
-    count.staged += num_boxed_tiles<T>(args, stored_w, common::FastDivmod(p.page_size), num_tiles);
+  const bool bad_page = end_item<T>(smem, args, stored_w, count, num_tiles);
+  store_rows<T>(p, stored_w, group, job.kv_head, bad_page, m, d, o, o_coord);
+}
+
+template <typename T>
+__device__ __forceinline__ void consume(typename T::SharedStorage& smem, const KernelArgs<T>& args, const JobSlot& job,
+                                        const common::FastDivmod& group, PipelineCount<T::kStages>& count) {
+  if constexpr (T::kKeysAlongM) {
+    if (threadIdx.x - T::kProducerThreads < cutlass::NumThreadsPerWarpGroup) {
+      consume_keys_along_m<T>(smem, args, job, group, count);
+      return;
+    }
+    // Warpgroup 1 has no rows: it transposes V and keeps the counts.
+    const int num_tiles = num_kv_tiles(job.work, T::kBlockN);
+    if (num_tiles == 0) return;
+    follow_pipeline<T>(smem, args, job.work, count, num_tiles, 1);
+    end_item<T>(smem, args, job.work, count, num_tiles);
+  } else {
+    consume_rows_along_m<T>(smem, args, job, group, count);
   }
-  store_rows<T>(p, stored_w, group, job.kv_head, smem.item_bad_page[item % 2] != 0, m, d, o, o_coord);
 }
 
 // Dynamic persistent schedule: a CTA's first job is its blockIdx.x, each next one the first not
@@ -1581,9 +1939,15 @@ cudaError_t prefill_occupancy(int* ctas_per_sm) {
 template <typename T>
 cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
   if constexpr (T::kHasDecodeItems && !T::kDecodeItems) {
-    // One query token per request: the decode instantiation (its items of <= 64 rows leave
-    // consumer warpgroup 1 free to transpose V; it checks each item's rows itself).
-    if (p.q_tokens == p.batch_size) return launch_prefill<typename T::WithDecodeItems>(p, stream);
+    // One query token per request: a decode instantiation (items of <= 64 rows leave consumer
+    // warpgroup 1 free to transpose V; it checks each item's rows itself). Items of at most 8
+    // rows, which the plan vouches for (one_token_requests), run with the keys along M.
+    if constexpr (T::kHasKeysAlongM) {
+      if (p.one_token_requests && p.group_size <= 8) {
+        return launch_prefill<typename T::template WithDecodeRows<8>>(p, stream);
+      }
+    }
+    if (p.q_tokens == p.batch_size) return launch_prefill<typename T::template WithDecodeRows<64>>(p, stream);
   }
   cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
