@@ -186,6 +186,58 @@ def test_fa3_fp8_tensor_core_decode_matches_dequantized_reference(head_dim, grou
     assert_matches_reference(out, lse, o_ref, lse_ref, v, FLOAT_SCALES["v_scale"])
 
 
+@pytest.mark.parametrize("group", [4, 16])
+def test_fa3_fp8_tensor_core_decode_cuda_graph_replays_after_replan(group):
+    """Tensor-core decode on fa3 fp8 captured in a CUDA graph, then re-planned with other lengths and
+    pages (same batch) and replayed: the kernel the capture chose (group 4: the keys along M, which
+    only a decode wrapper's graph may take; 16: the 64-row decode kernel) serves both plans."""
+    gen = torch.Generator(device=DEVICE).manual_seed(group)
+    batch, kv_heads, dim, page_size, pool = 12, 2, 128, 16, 2000
+    cache = tuple(quantized((pool, page_size, kv_heads, dim), FLOAT_SCALES[name], gen) for name in ("k_scale", "v_scale"))
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE), use_cuda_graph=True, use_tensor_cores=True,
+        backend="fa3", paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+        paged_kv_indices_buffer=torch.empty(pool, dtype=torch.int32, device=DEVICE),
+        paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device=DEVICE))
+    q = torch.empty((batch, kv_heads * group, dim), dtype=E4M3, device=DEVICE)  # the graph's static input
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEVICE)
+
+    def plan(seed: int):
+        """A new plan and query; returns the dense K and V its requests see, and their lengths."""
+        rng = torch.Generator().manual_seed(seed)
+        kv_lens = torch.randint(1, 2500, (batch,), generator=rng).tolist()
+        pages = [math.ceil(n / page_size) for n in kv_lens]
+        ids = torch.randperm(pool, generator=rng)[: sum(pages)].to(torch.int32)
+        last = torch.tensor([n - (p - 1) * page_size for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+        wrapper.plan(indptr_of(pages), ids, last, kv_heads * group, kv_heads, dim, page_size, q_data_type=E4M3,
+                     kv_data_type=E4M3, o_data_type=torch.bfloat16)
+        q.copy_(quantized(q.shape, FLOAT_SCALES["q_scale"], gen))
+        starts = indptr_of(pages).tolist()
+        dense = tuple(torch.cat([c[ids[starts[r]:starts[r + 1]].long()].flatten(0, 1)[: kv_lens[r]] for r in range(batch)])
+                      for c in cache)
+        return dense, kv_lens
+
+    dense, kv_lens = plan(1)
+    side = torch.cuda.Stream()  # warm up off the default stream, as torch.cuda.graph expects
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        wrapper.run(q, cache, out=out, lse=lse, return_lse=True, **FLOAT_SCALES)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, cache, out=out, lse=lse, return_lse=True, **FLOAT_SCALES)
+    for replan in (False, True):
+        if replan:
+            dense, kv_lens = plan(2)
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref, lse_ref = dequantized_reference(q, *dense, FLOAT_SCALES, [1] * batch, kv_lens, causal=False)
+        assert_matches_reference(out, lse, o_ref, lse_ref, dense[1], FLOAT_SCALES["v_scale"])
+
+
 def check_against_reference(head_dim: int, kv_len: int, page_size: int | None, capsys,
                             scales: dict = FLOAT_SCALES, dtype: torch.dtype = E4M3,
                             lens: tuple[list[int], list[int]] | None = None) -> None:
