@@ -287,6 +287,10 @@ struct PrefillTraits {
                                  cute::GMMA::Major::K, kMajorV>(),
       WarpgroupsAlongM{}));
 
+  // Keys along M: the floats of one exchange across the warps of warpgroup 0 (across_warps), one
+  // per warp and row.
+  static constexpr int kExchangeFloats = 4 * 8;
+
   struct SharedStorage {
     alignas(1024) Element q[kBlockM * kHeadDimQK];  // swizzle atoms are 1024 bytes
     alignas(1024) Element k[kStages * kBlockN * kHeadDimQK];
@@ -295,7 +299,7 @@ struct PrefillTraits {
     // Keys along M: P^T of tiles n % 2, and the rows' maxima (by tile parity) and sums of the four
     // warps (each warp's keys are a quarter of the tile's).
     alignas(1024) ElementP p[kKeysAlongM ? 2 * 8 * kBlockN : 0];
-    float row_exchange[kKeysAlongM ? 3 * 4 * 8 : 0];
+    float row_exchange[kKeysAlongM ? 3 * kExchangeFloats : 0];
     // paged, gathered tiles: each row's page and slot in it (page -1 past end); ragged needs none.
     // One slot serves every gathered tile: it is only read while the tile's copies are issued, and
     // the producer warpgroup's barrier that ends them precedes the next fill.
@@ -1326,6 +1330,74 @@ __device__ __forceinline__ bool end_item(typename T::SharedStorage& smem, const 
 // moved over (R2UR) for every wgmma of every tile.
 __device__ __forceinline__ int warp_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
 
+// A K/V tile's stage is ready for the wgmma: its barrier passed, and the generic-proxy writes of a
+// gathered tile (cp.async) made visible to the async proxy.
+__device__ __forceinline__ void wait_tile(uint64_t* full, uint32_t phase) {
+  cutlass::arch::ClusterBarrier::wait(full, phase);
+  cutlass::arch::fence_view_async_shared();
+}
+
+// A computing consumer warpgroup's kv loop, whichever operand runs along M (FA3's intra-warpgroup
+// overlap): iteration n issues S_n (issue_s(stage)) and O += P_{n-1} V_{n-1} (issue_o(stage, n - 1))
+// together, runs the softmax of S_n (softmax(n, alpha)) while the P.V wgmma is in flight, and only
+// then rescales O (rescale(alpha)) and makes P_n its next A or B operand (to_p()). Q is released
+// once the item's last S is computed, so the producer can load the next item's while this one
+// finishes. Each wgmma wait is followed by its accumulator's register fence (s_acc, o_acc).
+template <typename T, typename TensorS, typename TensorO, typename IssueS, typename IssueO, typename Softmax,
+          typename Rescale, typename ToP>
+__device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, const PipelineCount<T::kStages>& count,
+                                             int num_tiles, int wg, TensorS& s_acc, TensorO& o_acc, IssueS issue_s,
+                                             IssueO issue_o, Softmax softmax, Rescale rescale, ToP to_p) {
+  using namespace cute;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  float alpha[2];
+  scheduler_open<T>(wg);  // warpgroup 0 issues first
+  Barrier::wait(&smem.q_full, count.items & 1);
+  wait_tile(&smem.k_full[count.stage(0)], count.phase(0));
+  scheduler_wait<T>(wg);
+  issue_s(count.stage(0));
+  scheduler_pass<T>(wg);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(s_acc);
+  Barrier::arrive(&smem.k_empty[count.stage(0)]);
+  if (num_tiles == 1) Barrier::arrive(&smem.q_empty);
+  softmax(0, alpha);  // o is still zero: no rescale
+  to_p();
+  if (num_tiles > 1) wait_tile(&smem.k_full[count.stage(1)], count.phase(1));
+
+  for (int n = 1; n < num_tiles; ++n) {
+    const int stage = warp_uniform(count.stage(n)), prev = warp_uniform(count.stage(n - 1));
+    wait_tile(&smem.v_full[prev], count.phase(n - 1));
+    scheduler_wait<T>(wg);
+    issue_s(stage);
+    issue_o(prev, n - 1);
+    scheduler_pass<T>(wg);
+    warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
+    warpgroup_fence_operand(s_acc);
+    Barrier::arrive(&smem.k_empty[stage]);
+    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty);
+    softmax(n, alpha);
+    // The next K tile's wait sits between the softmax and the P.V wait on purpose: ptxas keeps
+    // a wgmma wait inside its basic block but hoists it to the block's top, where it would
+    // serialize the softmax behind the P.V wgmma; the wait loop is a block boundary.
+    if (n + 1 < num_tiles) wait_tile(&smem.k_full[count.stage(n + 1)], count.phase(n + 1));
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(o_acc);
+    Barrier::arrive(&smem.v_empty[prev]);
+    rescale(alpha);
+    to_p();
+  }
+
+  const int last = count.stage(num_tiles - 1);
+  wait_tile(&smem.v_full[last], count.phase(num_tiles - 1));
+  scheduler_wait<T>(wg);
+  issue_o(last, num_tiles - 1);
+  scheduler_close<T>(wg);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(o_acc);
+  Barrier::arrive(&smem.v_empty[last]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode items of at most 8 rows: the keys along M (T::kKeysAlongM)
 //
@@ -1368,7 +1440,6 @@ struct KeysAlongM {
   // P^T of tiles n % 2: 8 rows of kBlockN keys, K-major.
   using SmemLayoutP = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<ElementP>{},
                                                    cute::Shape<cute::_8, cute::Int<T::kBlockN>, cute::_2>{}));
-  static constexpr int kExchangeFloats = 4 * 8;  // one per warp and row
 };
 
 // A swapped accumulator as (the item's rows, the thread's M values): rowcol with its modes exchanged.
@@ -1379,7 +1450,7 @@ __device__ __forceinline__ constexpr auto colrow(Layout l) {
 }
 
 // The thread's two rows' values combined (max or sum) with the other warps' of warpgroup 0, whose
-// lanes l % 4 hold the same rows. `exchange`: kExchangeFloats of shared memory no thread may still
+// lanes l % 4 hold the same rows. `exchange`: T::kExchangeFloats of shared memory no thread may still
 // be reading from an earlier call (a named barrier of warpgroup 0 lies between).
 template <typename Combine>
 __device__ __forceinline__ void across_warps(float* exchange, const int (&rows)[2], float (&x)[2], Combine combine) {
@@ -1428,14 +1499,13 @@ __device__ __forceinline__ void store_rows_keys_along_m(const typename T::Params
 }
 
 // Warpgroup 0's part of a decode item of at most 8 rows (warpgroup 1 follows the pipeline and
-// transposes V): the same barriers, pingpong turns and software pipeline as `consume`.
+// transposes V): the kv loop of every computing warpgroup (run_kv_tiles).
 template <typename T>
 __device__ __forceinline__ void consume_keys_along_m(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                                      const JobSlot& job, const common::FastDivmod& group,
                                                      PipelineCount<T::kStages>& count) {
   using namespace cute;
   using Swapped = KeysAlongM<T>;
-  using Barrier = cutlass::arch::ClusterBarrier;
   const auto& p = args.p;
   const int tid = threadIdx.x - T::kProducerThreads;
   const int kv_head = job.kv_head;
@@ -1490,16 +1560,12 @@ __device__ __forceinline__ void consume_keys_along_m(typename T::SharedStorage& 
     }
     warpgroup_commit_batch();
   };
-  auto issue_vp = [&](int stage, int buffer) {
+  auto issue_vp = [&](int stage, int n) {  // P^T of tile n is in buffer n % 2
     warpgroup_fence_operand(tOrO);
     warpgroup_arrive();
 #pragma unroll
-    for (int kb = 0; kb < size<2>(tOrV); ++kb) gemm(mma_vp, tOrV(_, _, kb, stage), tOrP(_, _, kb, buffer), tOrO);
+    for (int kb = 0; kb < size<2>(tOrV); ++kb) gemm(mma_vp, tOrV(_, _, kb, stage), tOrP(_, _, kb, n % 2), tOrO);
     warpgroup_commit_batch();
-  };
-  auto wait_full = [&](uint64_t* bar, uint32_t phase) {
-    Barrier::wait(bar, phase);
-    cutlass::arch::fence_view_async_shared();  // cp.async wrote the tile through the generic proxy
   };
   // Tile n's scores to weights in place, its o rescale factors into alpha, and P^T of the tile
   // written (buffer n % 2, whose last reader, the P.V wgmma of tile n - 2, every warp has waited
@@ -1514,7 +1580,7 @@ __device__ __forceinline__ void consume_keys_along_m(typename T::SharedStorage& 
     for (int r = 0; r < 2; ++r) {
       row_max[r] = common::lane_group_max<8, 4>(fmaxf(fmaxf(s(r, 0), s(r, 1)), fmaxf(s(r, 2), s(r, 3))));
     }
-    across_warps(smem.row_exchange + n % 2 * Swapped::kExchangeFloats, rows, row_max,
+    across_warps(smem.row_exchange + n % 2 * T::kExchangeFloats, rows, row_max,
                  [](float a, float b) { return fmaxf(a, b); });
     constexpr bool kLive[2] = {true, true};
     softmax_rows(s, row_max, m, d, scale, T::kPExponentOffset, T::kMaxLag, kLive, alpha);
@@ -1531,52 +1597,13 @@ __device__ __forceinline__ void consume_keys_along_m(typename T::SharedStorage& 
     cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierKeysAlongM);
   };
 
-  float alpha[2];
-  scheduler_open<T>(0);
-  Barrier::wait(&smem.q_full, count.items & 1);
-  wait_full(&smem.k_full[count.stage(0)], count.phase(0));
-  scheduler_wait<T>(0);
-  issue_kq(warp_uniform(count.stage(0)));
-  scheduler_pass<T>(0);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(tSrS);
-  Barrier::arrive(&smem.k_empty[count.stage(0)]);
-  if (num_tiles == 1) Barrier::arrive(&smem.q_empty);
-  softmax_tile(0, alpha);  // o is still zero: no rescale
-  if (num_tiles > 1) wait_full(&smem.k_full[count.stage(1)], count.phase(1));
-
-  for (int n = 1; n < num_tiles; ++n) {
-    const int stage = warp_uniform(count.stage(n)), prev = warp_uniform(count.stage(n - 1));
-    wait_full(&smem.v_full[prev], count.phase(n - 1));
-    scheduler_wait<T>(0);
-    issue_kq(stage);
-    issue_vp(prev, (n - 1) % 2);
-    scheduler_pass<T>(0);
-    warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
-    warpgroup_fence_operand(tSrS);
-    Barrier::arrive(&smem.k_empty[stage]);
-    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty);
-    softmax_tile(n, alpha);
-    if (n + 1 < num_tiles) wait_full(&smem.k_full[count.stage(n + 1)], count.phase(n + 1));
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
-    Barrier::arrive(&smem.v_empty[prev]);
-    rescale_rows(o, alpha);
-  }
-
-  const int last = count.stage(num_tiles - 1);
-  wait_full(&smem.v_full[last], count.phase(num_tiles - 1));
-  scheduler_wait<T>(0);
-  issue_vp(warp_uniform(last), (num_tiles - 1) % 2);
-  scheduler_close<T>(0);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(tOrO);
-  Barrier::arrive(&smem.v_empty[last]);
+  run_kv_tiles<T>(smem, count, num_tiles, 0, tSrS, tOrO, issue_kq, issue_vp, softmax_tile,
+                  [&](const float (&alpha)[2]) { rescale_rows(o, alpha); }, [] {});
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) d[r] = common::lane_group_sum<8, 4>(d[r]);
   // The sums' own slots: the next job's first maxima may be exchanged before every warp read these.
-  across_warps(smem.row_exchange + 2 * Swapped::kExchangeFloats, rows, d, [](float a, float b) { return a + b; });
+  across_warps(smem.row_exchange + 2 * T::kExchangeFloats, rows, d, [](float a, float b) { return a + b; });
   const WorkTile stored_w = job.work;
   const bool bad_page = end_item<T>(smem, args, stored_w, count, num_tiles);
   store_rows_keys_along_m<T>(p, stored_w, group, kv_head, bad_page, rows, m, d, o, o_coord);
@@ -1589,7 +1616,6 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
                                                      PipelineCount<T::kStages>& count) {
   using namespace cute;
   using Element = typename T::Element;
-  using Barrier = cutlass::arch::ClusterBarrier;
   const auto& p = args.p;
   const int ctid = threadIdx.x - T::kProducerThreads;  // across all consumer warpgroups
   const int kv_head = job.kv_head;
@@ -1646,10 +1672,6 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     for (int kb = 0; kb < size<2>(p_frag); ++kb) gemm(mma_pv, p_frag(_, _, kb), tOrV(_, _, kb, stage), tOrO);
     warpgroup_commit_batch();
   };
-  auto wait_full = [&](uint64_t* bar, uint32_t phase) {
-    Barrier::wait(bar, phase);
-    cutlass::arch::fence_view_async_shared();  // cp.async wrote the tile through the generic proxy
-  };
   // Which of the thread's two rows (r: rows 8 apart) some stored row can be among, alike in the
   // whole warp. A decode item's group fills a few rows of warp 0 (group 4: rows 0-3), and skipping
   // the rest halves warp 0's softmax and frees warps 1-3's issue slots for the producer and the
@@ -1669,10 +1691,6 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     online_softmax(s, m, d, scale, T::kPExponentOffset, T::kMaxLag, live, alpha);
   };
 
-  // Software pipeline (FA3 intra-warpgroup overlap): iteration n issues S_n = Q K_n^T and
-  // O += P_{n-1} V_{n-1} together, runs the softmax of S_n while the P.V wgmma is in flight, and
-  // only then rescales O. Q is released once the item's last S is computed, so the producer can
-  // load the next item's while this one finishes.
   const int num_tiles = num_kv_tiles(w, T::kBlockN);
   if (num_tiles == 0) {  // the producer skipped the item: nothing to wait for
     store_rows<T>(p, w, group, kv_head, false, m, d, o, o_coord);
@@ -1687,53 +1705,15 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     Tensor tOrP = make_tensor<typename T::ElementP>(typename T::FragmentPShape{});
     if constexpr (T::kDecodeItems) clear(tOrP);  // rows never live keep these zeros
-    float alpha[2];
-    scheduler_open<T>(wg);  // warpgroup 0 issues first
-    Barrier::wait(&smem.q_full, count.items & 1);
-    wait_full(&smem.k_full[count.stage(0)], count.phase(0));
-    scheduler_wait<T>(wg);
-    issue_qk(tSrS, count.stage(0));
-    scheduler_pass<T>(wg);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tSrS);
-    Barrier::arrive(&smem.k_empty[count.stage(0)]);
-    if (num_tiles == 1) Barrier::arrive(&smem.q_empty);
-    softmax_tile(tSrS, 0, alpha);  // o is still zero: no rescale
-    convert_p<T>(tSrS, tOrP, live);
-    if (num_tiles > 1) wait_full(&smem.k_full[count.stage(1)], count.phase(1));
-
-    for (int n = 1; n < num_tiles; ++n) {
-      const int stage = warp_uniform(count.stage(n)), prev = warp_uniform(count.stage(n - 1));
-      wait_full(&smem.v_full[prev], count.phase(n - 1));
-      scheduler_wait<T>(wg);
-      issue_qk(tSrS, stage);
-      issue_pv(tOrP, prev);
-      scheduler_pass<T>(wg);
-      warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
-      warpgroup_fence_operand(tSrS);
-      Barrier::arrive(&smem.k_empty[stage]);
-      if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty);
-      softmax_tile(tSrS, n, alpha);
-      // The next K tile's wait sits between the softmax and the P.V wait on purpose: ptxas keeps
-      // a wgmma wait inside its basic block but hoists it to the block's top, where it would
-      // serialize the softmax behind the P.V wgmma; the wait loop is a block boundary.
-      if (n + 1 < num_tiles) wait_full(&smem.k_full[count.stage(n + 1)], count.phase(n + 1));
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      Barrier::arrive(&smem.v_empty[prev]);
-      // A warp's 16 rows rarely all keep their max in the first tiles, and almost always after.
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_rows(o, alpha);
-      convert_p<T>(tSrS, tOrP, live);
-    }
-
-    const int last = count.stage(num_tiles - 1);
-    wait_full(&smem.v_full[last], count.phase(num_tiles - 1));
-    scheduler_wait<T>(wg);
-    issue_pv(tOrP, last);
-    scheduler_close<T>(wg);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
-    Barrier::arrive(&smem.v_empty[last]);
+    run_kv_tiles<T>(
+        smem, count, num_tiles, wg, tSrS, tOrO, [&](int stage) { issue_qk(tSrS, stage); },
+        [&](int stage, int) { issue_pv(tOrP, stage); },
+        [&](int n, float (&alpha)[2]) { softmax_tile(tSrS, n, alpha); },
+        // A warp's 16 rows rarely all keep their max in the first tiles, and almost always after.
+        [&](const float (&alpha)[2]) {
+          if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_rows(o, alpha);
+        },
+        [&] { convert_p<T>(tSrS, tOrP, live); });
   }
 
 #pragma unroll
