@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnforge
+from attnforge import prefill as prefill_runtime
 from attnforge import reference
 
 pytestmark = pytest.mark.gpu
@@ -78,14 +79,15 @@ def indptr_of(lens: list[int]) -> torch.Tensor:
 
 
 def run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, scales, page_size: int | None, causal: bool, gen,
-                positional: bool = False):
+                positional: bool = False, fixed_split_size: int | None = None):
     """fa3 fp8 prefill, ragged (page_size None) or paged, into a NaN-poisoned output; the scales as
     keywords, or positionally (FlashInfer's fa3 form run(q, kv..., q_scale, k_scale, v_scale))."""
     args = (scales["q_scale"], scales["k_scale"], scales["v_scale"]) if positional else ()
     kwargs = {} if positional else scales
     workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
     head_dim = q.shape[-1]
-    types = dict(q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=torch.bfloat16, causal=causal)
+    types = dict(q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=torch.bfloat16, causal=causal,
+                 fixed_split_size=fixed_split_size)
     out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=DEVICE)
     if page_size is not None:
         pages, ids, page_indptr, last = pages_of(kv_lens, page_size, gen)
@@ -110,6 +112,34 @@ def test_fa3_fp8_matches_dequantized_reference(head_dim, kv_len, layout, capsys)
     """Causal batch (a decode row, a short and a long prefill; GQA 4) at context lengths up to 32k:
     error statistics printed for the issue and bounded."""
     check_against_reference(head_dim, kv_len, LAYOUTS[layout], capsys)
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["v_transposed_ahead", "kernel_transposes"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fa3_fp8_v_transposed_ahead_or_not_matches_dequantized_reference(head_dim, layout, ahead, monkeypatch):
+    """A prefill plan whose requests read V from several q tiles has it transposed once, ahead of the
+    kernel (transposed_v_blocks); else (here forced) the kernel transposes each tile. Both on a causal
+    batch with fewer queries than keys, cut into 300-key chunks (a chunk's first tile then reaches back
+    before it), whose middle request's K and V are NaN: the rows of the others must not see them (a
+    ragged request's last tile reads K past its end)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(head_dim)
+    qo_lens, kv_lens, heads = [300, 5, 600], [1000, 333, 2000], (8, 2)
+    q = quantized((sum(qo_lens), heads[0], head_dim), FLOAT_SCALES["q_scale"], gen)
+    k, v = (quantized((sum(kv_lens), heads[1], head_dim), FLOAT_SCALES[name], gen) for name in ("k_scale", "v_scale"))
+    poisoned = slice(kv_lens[0], kv_lens[0] + kv_lens[1])
+    k[poisoned], v[poisoned] = math.nan, math.nan
+    planned = []
+    real = prefill_runtime.transposed_v_blocks
+    monkeypatch.setattr(prefill_runtime, "transposed_v_blocks",
+                        lambda *a: planned.append(real(*a) if ahead else None) or planned[-1])
+    out, lse = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, FLOAT_SCALES, LAYOUTS[layout], causal=True, gen=gen,
+                           fixed_split_size=300)
+    assert len(planned) == 1 and (planned[0] is not None) == ahead
+    o_ref, lse_ref = dequantized_reference(q, k, v, FLOAT_SCALES, qo_lens, kv_lens, causal=True)
+    v_seen = torch.cat((v[: poisoned.start], v[poisoned.stop:]))
+    for rows in (slice(0, qo_lens[0]), slice(qo_lens[0] + qo_lens[1], None)):
+        assert_matches_reference(out[rows], lse[rows], o_ref[rows], lse_ref[rows], v_seen, FLOAT_SCALES["v_scale"])
 
 
 @pytest.mark.parametrize("page_size", [1, 5])

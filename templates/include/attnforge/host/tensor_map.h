@@ -72,4 +72,14 @@ inline cudaError_t encode_q_map(CUtensorMap* map, const void* base, int64_t dim,
   return encode_lines_map<kElementBytes, 3>(map, base, sizes, strides, box);
 }
 
+// fa3 fp8 V transposed ahead, [heads][blocks][dim][block_keys] bytes, as (key in block, dim,
+// block, head), boxed a whole block: its keys one 128-byte line, each of its dims a row.
+inline cudaError_t encode_blocks_map(CUtensorMap* map, const void* base, int64_t dim, int64_t block_keys,
+                                     int64_t blocks, int64_t heads) {
+  const cuuint64_t sizes[4] = {cuuint64_t(block_keys), cuuint64_t(dim), cuuint64_t(blocks), cuuint64_t(heads)};
+  const cuuint64_t strides[3] = {cuuint64_t(block_keys), cuuint64_t(block_keys * dim), cuuint64_t(block_keys * dim * blocks)};
+  const cuuint32_t box[4] = {cuuint32_t(block_keys), cuuint32_t(dim), 1, 1};
+  return encode_lines_map<1, 4>(map, base, sizes, strides, box);
+}
+
 }  // namespace attnforge::host
