@@ -142,6 +142,18 @@ def test_fa3_fp8_v_transposed_ahead_or_not_matches_dequantized_reference(head_di
         assert_matches_reference(out[rows], lse[rows], o_ref[rows], lse_ref[rows], v_seen, FLOAT_SCALES["v_scale"])
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_fa3_fp8_v_transposed_ahead_of_fewer_keys_than_a_tile_matches_dequantized_reference(layout, capsys,
+                                                                                              monkeypatch):
+    """Requests of two q tiles each (V transposed ahead) over fewer keys than one tile in all: the
+    ragged K map's box is then shorter than a tile, and K is gathered."""
+    planned = []
+    real = prefill_runtime.transposed_v_blocks
+    monkeypatch.setattr(prefill_runtime, "transposed_v_blocks", lambda *a: planned.append(real(*a)) or planned[-1])
+    check_against_reference(128, 0, LAYOUTS[layout], capsys, lens=([64, 40], [50, 30]))
+    assert len(planned) == 1 and planned[0] is not None
+
+
 @pytest.mark.parametrize("page_size", [1, 5])
 def test_fa3_fp8_gathered_pages_match_dequantized_reference(page_size, capsys):
     check_against_reference(128, 300, page_size, capsys)

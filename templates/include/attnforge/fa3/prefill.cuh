@@ -580,8 +580,9 @@ template <typename T>
 __device__ __forceinline__ bool tile_is_boxed(const KernelArgs<T>& args, const WorkTile& w,
                                               const common::FastDivmod& page_size, int first) {
   if (args.box_rows == 0) return false;
-  // Ragged K past w.end (V transposed ahead): the next request's keys or the map's zeros, masked.
-  if (T::kVtAhead && !T::kPagedKV) return true;
+  // Ragged K past w.end (V transposed ahead): the next request's keys or the map's zeros, masked;
+  // unless the whole tensor is shorter than a tile (the map's box then is too).
+  if (T::kVtAhead && !T::kPagedKV) return args.box_rows == T::kBlockN;
   if (first + T::kBlockN > w.end) return false;
   if constexpr (!T::kPagedKV) return true;
   int page_index, in_page;
