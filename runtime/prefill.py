@@ -210,10 +210,11 @@ class _BatchPrefillWrapper:
         # The custom mask's per-request byte offsets follow the planner's arrays.
         offsets["off_mask_indptr"] = layout.size
         image_size = layout.size + (batch_size + 1 if use_custom_mask else 0)
-        # fa3 fp8 may have V transposed ahead: each request's first block follows.
-        fp8_fa3 = module.spec.backend is Backend.FA3 and module.spec.dtype_kv.is_fp8 and not self._graph
+        # fa3 fp8 may have V transposed ahead (not under CUDA graphs, whose replays keep the kernel
+        # they captured): each request's first block follows.
+        may_transpose_v = module.spec.backend is Backend.FA3 and module.spec.dtype_kv.is_fp8 and not self._graph
         offsets["off_vt_block"] = image_size
-        image_size += batch_size + 1 if fp8_fa3 else 0
+        image_size += batch_size + 1 if may_transpose_v else 0
         image = self._image.host_buffer(image_size)
 
         binding = module.binding
@@ -249,7 +250,7 @@ class _BatchPrefillWrapper:
         # V transposed ahead where the workspace holds it after the partials; else the kernel transposes.
         vt_offset = -(-(v_bytes + s_bytes) // 1024) * 1024
         vt_first = None
-        if fp8_fa3:
+        if may_transpose_v:
             kv_lens = image[offsets["off_kv_len"]: offsets["off_kv_len"] + batch_size]
             vt_first = transposed_v_blocks(qo_indptr[1:] - qo_indptr[:-1], kv_lens, group, tile)
         vt_blocks = int(vt_first[-1]) if vt_first is not None else 0
