@@ -114,6 +114,20 @@ def test_fa3_fp8_matches_dequantized_reference(head_dim, kv_len, layout, capsys)
     check_against_reference(head_dim, kv_len, LAYOUTS[layout], capsys)
 
 
+def planned_v_blocks(monkeypatch, ahead: bool = True) -> list:
+    """What plan() decides about V transposed ahead, recorded per plan (None: the kernel transposes);
+    ahead=False forces the kernel's transposes."""
+    planned = []
+    real = prefill_runtime.transposed_v_blocks
+
+    def record(*args):
+        planned.append(real(*args) if ahead else None)
+        return planned[-1]
+
+    monkeypatch.setattr(prefill_runtime, "transposed_v_blocks", record)
+    return planned
+
+
 @pytest.mark.parametrize("ahead", [True, False], ids=["v_transposed_ahead", "kernel_transposes"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -129,10 +143,7 @@ def test_fa3_fp8_v_transposed_ahead_or_not_matches_dequantized_reference(head_di
     k, v = (quantized((sum(kv_lens), heads[1], head_dim), FLOAT_SCALES[name], gen) for name in ("k_scale", "v_scale"))
     poisoned = slice(kv_lens[0], kv_lens[0] + kv_lens[1])
     k[poisoned], v[poisoned] = math.nan, math.nan
-    planned = []
-    real = prefill_runtime.transposed_v_blocks
-    monkeypatch.setattr(prefill_runtime, "transposed_v_blocks",
-                        lambda *a: planned.append(real(*a) if ahead else None) or planned[-1])
+    planned = planned_v_blocks(monkeypatch, ahead)
     out, lse = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, FLOAT_SCALES, LAYOUTS[layout], causal=True, gen=gen,
                            fixed_split_size=300)
     assert len(planned) == 1 and (planned[0] is not None) == ahead
@@ -147,9 +158,7 @@ def test_fa3_fp8_v_transposed_ahead_of_fewer_keys_than_a_tile_matches_dequantize
                                                                                               monkeypatch):
     """Requests of two q tiles each (V transposed ahead) over fewer keys than one tile in all: the
     ragged K map's box is then shorter than a tile, and K is gathered."""
-    planned = []
-    real = prefill_runtime.transposed_v_blocks
-    monkeypatch.setattr(prefill_runtime, "transposed_v_blocks", lambda *a: planned.append(real(*a)) or planned[-1])
+    planned = planned_v_blocks(monkeypatch)
     check_against_reference(128, 0, LAYOUTS[layout], capsys, lens=([64, 40], [50, 30]))
     assert len(planned) == 1 and planned[0] is not None
 

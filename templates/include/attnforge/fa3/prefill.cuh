@@ -2076,19 +2076,19 @@ __global__ void __launch_bounds__(T::kProducerThreads) transpose_v_kernel(const 
   }
 }
 
-// The transpose ahead of a V-transposed prefill launch (launch_prefill runs it when p.v_transposed
-// is set); kernels without that instantiation refuse.
+// The transpose ahead of a V-transposed prefill launch (the module's prefill_run launches it before
+// launch_prefill when p.v_transposed is set); kernels without that instantiation refuse.
 template <typename T>
 cudaError_t launch_transpose_v(const typename T::Params& p, cudaStream_t stream) {
   if constexpr (!T::kHasVtAhead) {
     return cudaErrorNotSupported;
   } else {
+    if (p.vt_blocks == 0) return cudaSuccess;
     using Vt = typename T::WithVtAhead;
     KernelArgs<Vt> args{};
     args.p = p;
     const cudaError_t err = encode_vt_map<Vt>(args);
     if (err != cudaSuccess) return err;
-    if (p.vt_blocks == 0) return cudaSuccess;
     constexpr int kSmemBytes = int(sizeof(TransposeVStorage<Vt>)) + 1024;
     static_assert(kSmemBytes <= 48 * 1024, "fa3 V transpose: one block fits the default shared memory");
     transpose_v_kernel<Vt><<<dim3(p.vt_blocks, p.num_kv_heads), Vt::kProducerThreads, kSmemBytes, stream>>>(args);
