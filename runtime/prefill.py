@@ -36,6 +36,7 @@ from .plan_buffers import (
     split_tokens,
 )
 from .planner import MIN_CHUNK_TOKENS
+from .prefill_ahead import GATHER_MAX_BYTES, VT_BLOCK_KEYS, gathered_kv_bytes, gathered_rows, gathers_pages, transposed_v_blocks
 from .prefill_planner import (
     PrefillPlanLayout,
     cta_tile_q,
@@ -90,29 +91,13 @@ class _Plan:
     keep_alive: tuple  # device tensors the kernel reads (page ids, packed mask)
 
 
-# fa3 fp8: keys per block of V transposed ahead (the kernels' kv tile).
-VT_BLOCK_KEYS = 128
-
-
-def transposed_v_blocks(qo_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, tile: int) -> torch.Tensor | None:
-    """fa3 fp8 prefill: each request's first block of V transposed ahead ([batch+1] int32 prefix of
-    VT_BLOCK_KEYS-key blocks, none for a request no query reads), or None when the requests that read
-    keys average fewer than two q tiles each: V is then read about once, and a pass that transposes it
-    costs more than the kernel's own transposes."""
-    tiles = (qo_lens.to(torch.int64) * group + tile - 1) // tile
-    reading = (kv_lens > 0) & (tiles > 0)
-    readers = int(reading.sum())
-    if readers == 0 or int(tiles[reading].sum()) < 2 * readers:
-        return None
-    blocks = torch.where(reading, (kv_lens.to(torch.int64) + VT_BLOCK_KEYS - 1) // VT_BLOCK_KEYS, 0)
-    first = torch.zeros(kv_lens.numel() + 1, dtype=torch.int64)
-    torch.cumsum(blocks, 0, out=first[1:])
-    return first.to(torch.int32)
-
-
 def one_token_requests(qo_indptr: torch.Tensor) -> bool:
     """Whether no request of the (host) qo_indptr has more than one query token."""
     return bool((qo_indptr[1:] - qo_indptr[:-1]).max() <= 1)
+
+
+# Offsets of image arrays only run() reads (the planner neither writes nor knows them).
+_RUN_ONLY_OFFSETS = ("off_mask_indptr", "off_gathered_kv_indptr", "off_vt_block")
 
 
 class _BatchPrefillWrapper:
@@ -210,9 +195,13 @@ class _BatchPrefillWrapper:
         # The custom mask's per-request byte offsets follow the planner's arrays.
         offsets["off_mask_indptr"] = layout.size
         image_size = layout.size + (batch_size + 1 if use_custom_mask else 0)
-        # fa3 fp8 may have V transposed ahead (not under CUDA graphs, whose replays keep the kernel
-        # they captured): each request's first block follows.
-        may_transpose_v = module.spec.backend is Backend.FA3 and module.spec.dtype_kv.is_fp8 and not self._graph
+        # fa3 may gather its pages and (fp8) transpose V ahead, not under CUDA graphs, whose replays
+        # keep the kernels they captured: each request's first gathered row and first V^T block follow.
+        fa3_ahead = module.spec.backend is Backend.FA3 and not self._graph
+        may_gather = fa3_ahead and self._paged
+        may_transpose_v = fa3_ahead and module.spec.dtype_kv.is_fp8
+        offsets["off_gathered_kv_indptr"] = image_size
+        image_size += batch_size + 1 if may_gather else 0
         offsets["off_vt_block"] = image_size
         image_size += batch_size + 1 if may_transpose_v else 0
         image = self._image.host_buffer(image_size)
@@ -228,7 +217,7 @@ class _BatchPrefillWrapper:
             window_left=window_left, fixed_split_tokens=fixed_tokens, disable_split_kv=int(bool(disable_split_kv)),
             min_chunk_tokens=MIN_CHUNK_TOKENS, cuda_graph=int(self._graph), work_capacity=capacity,
             row_capacity=rows,
-            **{name: value for name, value in offsets.items() if name not in ("off_mask_indptr", "off_vt_block")})
+            **{name: value for name, value in offsets.items() if name not in _RUN_ONLY_OFFSETS})
         info = binding.PrefillPlanInfo()
         status = module.fns["prefill_plan"](ctypes.byref(args), ctypes.byref(info))
         if status != 0:
@@ -247,12 +236,21 @@ class _BatchPrefillWrapper:
         if v_bytes + s_bytes > available:
             raise ValueError(f"float_workspace_buffer: this plan needs {v_bytes + s_bytes} bytes for split-KV partials, "
                              f"the buffer has {available}; allocate at least that many (128 MiB covers typical batches)")
-        # V transposed ahead where the workspace holds it after the partials; else the kernel transposes.
-        vt_offset = -(-(v_bytes + s_bytes) // 1024) * 1024
-        vt_first = None
-        if may_transpose_v:
-            kv_lens = image[offsets["off_kv_len"]: offsets["off_kv_len"] + batch_size]
-            vt_first = transposed_v_blocks(qo_indptr[1:] - qo_indptr[:-1], kv_lens, group, tile)
+        # After the partials: the gathered pages, then V^T, each where the workspace still holds it.
+        ahead_offset = -(-(v_bytes + s_bytes) // 1024) * 1024
+        qo_lens = qo_indptr[1:] - qo_indptr[:-1]
+        kv_lens = image[offsets["off_kv_len"]: offsets["off_kv_len"] + batch_size]
+        gathered_pages = int(kv_indptr[-1]) - int(kv_indptr[0]) if may_gather else 0
+        gathered_bytes = gathered_kv_bytes(gathered_pages * page_size, num_kv_heads, head_dim_qk + head_dim_vo,
+                                           dispatch.torch_dtype(dtype_kv).itemsize)
+        if not (gathered_pages and gathers_pages(qo_lens, kv_lens, group, causal, window_left)
+                and ahead_offset + gathered_bytes <= min(available, GATHER_MAX_BYTES)):
+            gathered_pages, gathered_bytes = 0, 0
+        if gathered_pages:
+            image[offsets["off_gathered_kv_indptr"]: offsets["off_gathered_kv_indptr"] + batch_size + 1] = \
+                gathered_rows(kv_indptr, page_size)
+        vt_offset = ahead_offset + gathered_bytes
+        vt_first = transposed_v_blocks(qo_lens, kv_lens, group, tile) if may_transpose_v else None
         vt_blocks = int(vt_first[-1]) if vt_first is not None else 0
         if vt_offset + num_kv_heads * vt_blocks * VT_BLOCK_KEYS * head_dim_vo > available:
             vt_first, vt_blocks = None, 0
@@ -265,6 +263,8 @@ class _BatchPrefillWrapper:
             indices=indices.data_ptr() if self._paged else None, custom_mask=mask.data_ptr() if mask is not None else None,
             plan=self._image.on_device.data_ptr(), tmp_v=workspace_ptr, tmp_s=workspace_ptr + v_bytes,
             v_transposed=workspace_ptr + vt_offset if vt_first is not None else None, vt_blocks=vt_blocks,
+            kv_gathered=workspace_ptr + ahead_offset if gathered_pages else None,
+            gather_first_page=int(kv_indptr[0]) if gathered_pages else 0, gathered_pages=gathered_pages,
             batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group_size=group,
             page_size=kv_page, work_capacity=capacity if self._graph else info.num_work, max_ctas=max_ctas,
             row_capacity=rows, causal=int(bool(causal)), window_left=window_left, cta_tile_q=tile,

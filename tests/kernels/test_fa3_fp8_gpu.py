@@ -129,14 +129,19 @@ def planned_v_blocks(monkeypatch, ahead: bool = True) -> list:
 
 
 @pytest.mark.parametrize("ahead", [True, False], ids=["v_transposed_ahead", "kernel_transposes"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(("layout", "gather"), [("ragged", False), ("page16", False), ("page16", True),
+                                                ("page200", False), ("page200", True)],
+                         ids=["ragged", "page16", "page16-gathered", "page200", "page200-gathered"])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_fa3_fp8_v_transposed_ahead_or_not_matches_dequantized_reference(head_dim, layout, ahead, monkeypatch):
+def test_fa3_fp8_v_transposed_ahead_or_not_matches_dequantized_reference(head_dim, layout, gather, ahead, monkeypatch,
+                                                                         pages_gathered):
     """A prefill plan whose requests read V from several q tiles has it transposed once, ahead of the
     kernel (transposed_v_blocks); else (here forced) the kernel transposes each tile. Both on a causal
     batch with fewer queries than keys, cut into 300-key chunks (a chunk's first tile then reaches back
     before it), whose middle request's K and V are NaN: the rows of the others must not see them (a
-    ragged request's last tile reads K past its end)."""
+    ragged request's last tile reads K past its end). Paged plans also with their pages gathered into
+    ragged K and V first (forced), which V^T is then transposed from."""
+    gathered = pages_gathered(gather)
     gen = torch.Generator(device=DEVICE).manual_seed(head_dim)
     qo_lens, kv_lens, heads = [300, 5, 600], [1000, 333, 2000], (8, 2)
     q = quantized((sum(qo_lens), heads[0], head_dim), FLOAT_SCALES["q_scale"], gen)
@@ -147,6 +152,7 @@ def test_fa3_fp8_v_transposed_ahead_or_not_matches_dequantized_reference(head_di
     out, lse = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, FLOAT_SCALES, LAYOUTS[layout], causal=True, gen=gen,
                            fixed_split_size=300)
     assert len(planned) == 1 and (planned[0] is not None) == ahead
+    assert len(gathered) == gather
     o_ref, lse_ref = dequantized_reference(q, k, v, FLOAT_SCALES, qo_lens, kv_lens, causal=True)
     v_seen = torch.cat((v[: poisoned.start], v[poisoned.stop:]))
     for rows in (slice(0, qo_lens[0]), slice(qo_lens[0] + qo_lens[1], None)):

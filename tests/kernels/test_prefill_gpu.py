@@ -453,9 +453,12 @@ def rows_of_others(batch: Batch, request: int) -> torch.Tensor:
     return others
 
 
-def test_fa3_bad_page_id_gives_nan_for_that_request_only():
+@pytest.mark.parametrize("gather", [False, True], ids=["pages_read", "pages_gathered"])
+def test_fa3_bad_page_id_gives_nan_for_that_request_only(gather, pages_gathered):
     """A page id out of range in one request: every job of that request (they run among the other
-    requests' jobs on the persistent CTAs) gives NaN, and no other job does."""
+    requests' jobs on the persistent CTAs) gives NaN, and no other job does; the same when the pages
+    are gathered ahead (the bad page's copied rows are NaN)."""
+    gathered = pages_gathered(gather)
     case = many_jobs_case(FA3[0], causal=False, seed=5)
     batch = build(case)
     victim = 6
@@ -463,10 +466,46 @@ def test_fa3_bad_page_id_gives_nan_for_that_request_only():
     page_ids[int(batch.page_indptr[victim])] = batch.cache[0].shape[0] + 7
     out, lse = run_ours(case, Batch(**{**batch.__dict__, "page_ids": page_ids}))
     torch.cuda.synchronize()  # a fault would surface here, and poison every later test
+    assert len(gathered) == gather
     others = rows_of_others(batch, victim)
     assert out[~others].isnan().all() and lse[~others].isnan().all(), "the bad request's rows must be NaN"
     o_ref, lse_ref = run_reference(case, batch)
     assert_matches_reference(case, out[others], lse[others], o_ref[others], lse_ref[others])
+
+
+def poison_rows_outside_requests(case: Case, batch: Batch) -> None:
+    """NaN into every cache row no request owns: its last page's tail, and unused pages."""
+    pool = batch.cache[0].shape[0]
+    used = torch.zeros(pool, case.page_size, dtype=torch.bool)
+    ids = batch.page_ids.tolist()
+    for request, kv_len in enumerate(case.kv_lens):
+        first = int(batch.page_indptr[request])
+        for j in range(int(batch.page_indptr[request + 1]) - first):
+            used[ids[first + j], : min(case.page_size, kv_len - j * case.page_size)] = True
+    for cache in batch.cache:
+        rows = cache if case.layout == "NHD" else cache.transpose(1, 2)  # [pool, page_size, heads, dim]
+        rows[~used.to(DEVICE)] = math.nan
+
+
+@pytest.mark.parametrize(("page_size", "layout"), [(1, "NHD"), (5, "HND"), (16, "NHD")],
+                         ids=["page1", "page5-hnd", "page16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("module", FA3, ids=["hd128", "hd64-fp16", "hd256", "window-cap", "hd192"])
+def test_fa3_pages_gathered_ahead_match_reference(module, causal, page_size, layout, pages_gathered):
+    """A paged plan whose keys are read by many q tiles copies its pages into ragged K and V first and
+    runs the ragged kernel over the copies (forced here on short lengths). Every cache row outside
+    the requests is NaN: the copy takes whole pages, and no output may see past its request's keys.
+    The lengths give a request without queries, requests shorter than a tile and partial last pages;
+    kv chunks of about 256 tokens split the longer requests."""
+    gathered = pages_gathered(True)
+    case = Case(module, qo_lens=[40, 3 if causal else 0, 300, 9, 130], kv_lens=[300, 177, 1000, 5, 700],
+                causal=causal, paged=True, layout=layout, page_size=page_size, num_kv_heads=2, group=4,
+                seed=page_size, window_left=200 if module.window else -1, soft_cap=30.0 if module.soft_cap else None)
+    batch = build(case)
+    poison_rows_outside_requests(case, batch)
+    out, lse = run_ours(case, batch, fixed_split_size=-(-256 // page_size))
+    assert len(gathered) == 1
+    assert_matches_reference(case, out, lse, *run_reference(case, batch))
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])

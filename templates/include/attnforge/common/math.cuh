@@ -72,13 +72,22 @@ __device__ __forceinline__ void lane_group_reduce_scatter(float (&x)[kValues]) {
 
 namespace attnforge::common {
 
+__host__ __device__ __forceinline__ int leading_zeros(uint32_t x) {
+#ifdef __CUDA_ARCH__
+  return __clz(x);
+#else
+  return x == 0 ? 32 : __builtin_clz(x);
+#endif
+}
+
 // n / d and n % d for a divisor fixed per CTA, by multiply-high (Granlund-Montgomery, round-up
-// variant); exact for 0 <= n < 2^31. Built once per CTA: the 64-bit division stays out of loops.
+// variant); exact for 0 <= n < 2^31. Built once per CTA, or on the host: the 64-bit division stays
+// out of loops.
 struct FastDivmod {
   uint32_t divisor, mul, shift;
 
-  __device__ __forceinline__ explicit FastDivmod(int d) : divisor(d) {
-    shift = 32 - __clz(d - 1);
+  __host__ __device__ __forceinline__ explicit FastDivmod(int d) : divisor(d) {
+    shift = 32 - leading_zeros(d - 1);
     mul = static_cast<uint32_t>(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
   }
   __device__ __forceinline__ int div(int n) const { return (__umulhi(uint32_t(n), mul) + uint32_t(n)) >> shift; }
