@@ -53,6 +53,8 @@ def reads_per_key(qo_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, caus
 
 def gathers_pages(qo_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, causal: bool, window_left: int) -> bool:
     """fa3 paged prefill: whether the plan's pages are worth copying into ragged K and V first."""
+    if group * int(qo_lens.sum()) < GATHER_MIN_READS_PER_KEY:  # no key is read by more rows than there are
+        return False
     return reads_per_key(qo_lens, kv_lens, group, causal, window_left) >= GATHER_MIN_READS_PER_KEY
 
 

@@ -1244,9 +1244,10 @@ __device__ __forceinline__ RowOutput<T> row_output(const typename T::Params& p, 
   // The approximate division and log2 (MUFU.RCP, MUFU.LG2; d is a sum of weights below 2^9 each,
   // far from __fdividef's 2^126 limit) shorten the store's dependent chain: same-run A/Bs, bf16
   // hd 128, 4 x 4096 causal +2..+3%, 16 x 1024 +1..+3%, 64 x 256 non-causal +4%, long non-causal
-  // within the spread.
-  out.inv_d = item.bad_page ? NAN : (d > 0.f ? __fdividef(item.v_scale, d) : 0.f);
-  out.lse = item.bad_page ? NAN : (d > 0.f ? m + __log2f(d) - T::kPExponentOffset : common::kNegInf);
+  // within the spread. d is 0 exactly when the row saw no key; a NaN d (a NaN key or value read,
+  // e.g. the NaN rows a bad page id leaves in pages gathered ahead) stays NaN in o and lse.
+  out.inv_d = item.bad_page ? NAN : (d != 0.f ? __fdividef(item.v_scale, d) : 0.f);
+  out.lse = item.bad_page ? NAN : (d != 0.f ? m + __log2f(d) - T::kPExponentOffset : common::kNegInf);
   return out;
 }
 
