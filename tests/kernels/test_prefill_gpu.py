@@ -10,6 +10,7 @@ dequantized cache (fp8 value * scale, fp32), exactly the values the kernel must 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -506,6 +507,27 @@ def test_fa3_pages_gathered_ahead_match_reference(module, causal, page_size, lay
     out, lse = run_ours(case, batch, fixed_split_size=-(-256 // page_size))
     assert len(gathered) == 1
     assert_matches_reference(case, out, lse, *run_reference(case, batch))
+
+
+def test_fa3_gathered_pages_match_reference_on_drawn_batches(pages_gathered):
+    """Drawn paged batches (page sizes 1 to 256, NHD and HND, ragged lengths up to 16k keys, requests
+    without queries, GQA groups 1 to 8) with their pages gathered ahead (forced) and every cache row
+    outside the requests NaN."""
+    gathered = pages_gathered(True)
+
+    @gpu_settings(max_examples=20)
+    @given(cases(FA3))
+    def check(case):
+        case = dataclasses.replace(case, paged=True)
+        note(repr(case))
+        batch = build(case)
+        poison_rows_outside_requests(case, batch)
+        plans = len(gathered)
+        out, lse = run_ours(case, batch)
+        assert len(gathered) == plans + 1
+        assert_matches_reference(case, out, lse, *run_reference(case, batch))
+
+    check()
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
