@@ -238,19 +238,23 @@ class _BatchPrefillWrapper:
                              f"the buffer has {available}; allocate at least that many (128 MiB covers typical batches)")
         # After the partials: the gathered pages, then V^T, each where the workspace still holds it.
         ahead_offset = -(-(v_bytes + s_bytes) // 1024) * 1024
-        qo_lens = qo_indptr[1:] - qo_indptr[:-1]
-        kv_lens = image[offsets["off_kv_len"]: offsets["off_kv_len"] + batch_size]
-        gathered_pages = int(kv_indptr[-1]) - int(kv_indptr[0]) if may_gather else 0
-        gathered_bytes = gathered_kv_bytes(gathered_pages * page_size, num_kv_heads, head_dim_qk + head_dim_vo,
-                                           dispatch.torch_dtype(dtype_kv).itemsize)
-        if not (gathered_pages and gathers_pages(qo_lens, kv_lens, group, causal, window_left)
-                and ahead_offset + gathered_bytes <= min(available, GATHER_MAX_BYTES)):
-            gathered_pages, gathered_bytes = 0, 0
+        gathered_pages = gathered_bytes = 0
+        vt_first = None
+        if may_gather or may_transpose_v:
+            qo_lens = qo_indptr[1:] - qo_indptr[:-1]
+            kv_lens = image[offsets["off_kv_len"]: offsets["off_kv_len"] + batch_size]
+        if may_gather and gathers_pages(qo_lens, kv_lens, group, causal, window_left):
+            gathered_pages = int(kv_indptr[-1]) - int(kv_indptr[0])
+            gathered_bytes = gathered_kv_bytes(gathered_pages * page_size, num_kv_heads, head_dim_qk + head_dim_vo,
+                                               dispatch.torch_dtype(dtype_kv).itemsize)
+            if ahead_offset + gathered_bytes > min(available, GATHER_MAX_BYTES):
+                gathered_pages, gathered_bytes = 0, 0
         if gathered_pages:
             image[offsets["off_gathered_kv_indptr"]: offsets["off_gathered_kv_indptr"] + batch_size + 1] = \
                 gathered_rows(kv_indptr, page_size)
         vt_offset = ahead_offset + gathered_bytes
-        vt_first = transposed_v_blocks(qo_lens, kv_lens, group, tile) if may_transpose_v else None
+        if may_transpose_v:
+            vt_first = transposed_v_blocks(qo_lens, kv_lens, group, tile)
         vt_blocks = int(vt_first[-1]) if vt_first is not None else 0
         if vt_offset + num_kv_heads * vt_blocks * VT_BLOCK_KEYS * head_dim_vo > available:
             vt_first, vt_blocks = None, 0
