@@ -338,6 +338,26 @@ def assert_matches_reference(out, lse, o_ref, lse_ref, v, v_scale, report=None) 
     torch.testing.assert_close(lse, lse_ref, atol=2e-2, rtol=1e-3)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["ragged", "page16"])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fa3_fp8_rising_scores_match_dequantized_reference(head_dim, layout, causal):
+    """Keys whose scores grow along the sequence, a little per tile and then in one late jump: a row's
+    running max moves only when a tile exceeds it by more than the lag (P, e4m3, must hold the weights
+    until then). o and lse must still be the reference's, for a decode row, a partial q tile and two."""
+    gen = torch.Generator(device=DEVICE).manual_seed(head_dim + causal)
+    qo_lens, kv_lens, heads = [1, 37, 200], [3000] * 3, (8, 2)
+    growth = torch.linspace(0.2, 3.0, kv_lens[0], device=DEVICE)
+    growth[-100:] = 6.0  # the max jumps by far more than any lag
+    q = quantized((sum(qo_lens), heads[0], head_dim), FLOAT_SCALES["q_scale"], gen)
+    k = (quantized((sum(kv_lens), heads[1], head_dim), FLOAT_SCALES["k_scale"], gen).float()
+         * growth.repeat(len(kv_lens))[:, None, None]).to(E4M3)
+    v = quantized((sum(kv_lens), heads[1], head_dim), FLOAT_SCALES["v_scale"], gen)
+    out, lse = run_fa3_fp8(q, k, v, qo_lens, kv_lens, heads, FLOAT_SCALES, LAYOUTS[layout], causal=causal, gen=gen)
+    o_ref, lse_ref = dequantized_reference(q, k, v, FLOAT_SCALES, qo_lens, kv_lens, causal=causal)
+    assert_matches_reference(out, lse, o_ref, lse_ref, v, FLOAT_SCALES["v_scale"])
+
+
 @pytest.mark.parametrize("layout", ["ragged", "page16"])
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_fa3_fp8_persistent_ctas_match_dequantized_reference(head_dim, layout, capsys):
