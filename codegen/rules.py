@@ -176,6 +176,13 @@ RULES: tuple[Rule, ...] = (
         lambda s: _fa3(s) and s.dtype_q.is_fp8 and _dims(s) not in FA3_FP8_PREFILL_HEAD_DIMS,
     ),
     Rule(
+        "fa2-fp8-kv-no-rope",
+        "fa2 prefill keeps an fp8 KV cache fp8 in shared memory and widens it in registers, so it cannot "
+        "rotate K in the kernel; pos_encoding is {s.pos_encoding.value}",
+        "apply RoPE to k before quantizing it into the cache and use pos_encoding NONE, or a 16-bit KV cache",
+        lambda s: s.kind is Kind.PREFILL and s.dtype_kv.is_fp8 and s.pos_encoding is PosEncoding.ROPE_LLAMA,
+    ),
+    Rule(
         "prefill-no-fp16-qk-reduction",
         "the fa2 prefill kernel accumulates q.k in fp32 only",
         "turn fp16_qk_reduction off (fp32 accumulation is as fast on sm80+ tensor cores)",

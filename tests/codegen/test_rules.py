@@ -36,6 +36,7 @@ EXAMPLES = {
     "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
     "decode-no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
     "fa3-fp8-head-dims": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64),
+    "fa2-fp8-kv-no-rope": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3, pos_encoding=PosEncoding.ROPE_LLAMA),
     "prefill-no-fp16-qk-reduction": dict(kind=Kind.PREFILL, dtype_q=DType.FP16, dtype_kv=DType.FP16,
                                          fp16_qk_reduction=True),
 }

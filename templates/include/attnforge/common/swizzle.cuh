@@ -8,6 +8,10 @@
 
 namespace attnforge::common {
 
+// Cells per row once a row of `cells` is padded to whole 128-byte lines (rows of fp8 head dims 64
+// and 192); the padding cells are never copied or read.
+constexpr int swizzle_row_cells(int cells) { return (cells + 7) / 8 * 8; }
+
 template <int kCells>
 struct Swizzle128 {
   static_assert(kCells % 8 == 0, "swizzle: a row must span whole 128-byte lines (>= 8 cells of 16 bytes)");

@@ -1,7 +1,7 @@
 // Role: 16-byte vector moves between global/shared memory and fp32 registers.
 // Contract: a "vector" is one uint4 holding kElems elements: 8 of a 16-bit type (half,
 // __nv_bfloat16) or 16 of an fp8 type (__nv_fp8_e4m3, __nv_fp8_e5m2; read-only: no kernel writes
-// fp8; an fp8 vector widens to fp32 or to two 16-bit vectors).
+// fp8; an fp8 vector widens to fp32, or pair by pair to half2).
 // Must not: know about attention; it is plain data movement and conversion.
 #pragma once
 
@@ -122,24 +122,6 @@ struct Fp8Vec16 {
       const float2 f = __half22float2(pairs[i]);
       out[2 * i] = f.x;
       out[2 * i + 1] = f.y;
-    }
-  }
-  // The same 16 values in a 16-bit type T16 (half or bf16, both hold every fp8 value exactly), as
-  // two vectors of 8: what a tensor-core kernel feeds its 16-bit MMAs from an fp8 tile.
-  template <typename T16>
-  __device__ __forceinline__ static void widen(const uint4& raw, uint4 (&out)[2]) {
-    static_assert(std::is_same_v<T16, half> || std::is_same_v<T16, __nv_bfloat16>, "widen: to half or bf16");
-    half2 halves[8];
-    to_half2(raw, halves);
-    uint32_t* pairs = reinterpret_cast<uint32_t*>(out);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if constexpr (std::is_same_v<T16, half>) {
-        pairs[i] = *reinterpret_cast<const uint32_t*>(&halves[i]);
-      } else {
-        const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(halves[i]));
-        pairs[i] = *reinterpret_cast<const uint32_t*>(&b);
-      }
     }
   }
 };

@@ -9,10 +9,12 @@
 //   Shared memory holds the Q tile, one K tile and one V tile, each 128B-XOR-swizzled; K_{i+1} loads
 //   during softmax and P.V of tile i, V_{i+1} during Q.K of tile i+1 (FlashInfer's staggered loads),
 //   and two CTAs per SM hide the rest.
-//   An fp8 KV cache (e4m3/e5m2, with a 16-bit q) is copied as fp8 into one staging tile that K and V
-//   take in turn, and widened, exactly, into the 16-bit K/V tiles just before the barrier that
-//   publishes them; the MMAs and the softmax never see fp8. Its k_scale / v_scale are the caller's
-//   (folded into sm_scale_log2, applied to o after the kernel).
+//   An fp8 KV cache (e4m3/e5m2, with a 16-bit q) stays fp8 in shared memory (half the bytes of a
+//   tile, so twice the keys in flight per byte of it); each warp widens the fragments it loads to
+//   fp16, exactly, and runs fp16 MMAs. Its q is put in fp16 once per CTA (a bf16 one times a power
+//   of two, undone in the score scale) with the dims of every 16-dim chunk in the order the fp8 K
+//   fragments arrive in (prepare_q_for_fp8_kv); o's columns come out in the order V's do (o_col).
+//   Its k_scale / v_scale are the caller's (folded into sm_scale_log2, applied to o after the kernel).
 //   Scores live in the base-2 domain: s = q.k * sm_scale_log2 (soft cap: soft_cap_log2 * tanh(.)).
 //   The kernel narrows [begin, end) to the keys its rows can see (causal, window), skips nothing
 //   else, and masks only tiles that straddle a boundary.
@@ -24,6 +26,7 @@
 // Must not: decide scheduling (the plan did) or pick the variant (the dispatcher reads cta_tile_q).
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 #include <type_traits>
 
@@ -55,11 +58,15 @@ struct PrefillTraits {
   static constexpr bool kCustomMask = kCustomMask_;
   static constexpr int kPosEncoding = kPosEncoding_;
 
-  // K and V reach the MMAs as DTypeQ; an fp8 cache is widened to it in shared memory.
   static constexpr bool kFp8KV = sizeof(DTypeKV) == 1;
+  // The MMAs' 16-bit type: q's, or fp16 for an fp8 cache (which fp16 holds exactly, one cvt per
+  // pair on sm89+; bf16 would take three more instructions per pair, per warp that reads it).
+  using DTypeMma = std::conditional_t<kFp8KV, half, DTypeQ>;
   static_assert(std::is_same_v<DTypeQ, DTypeKV> || kFp8KV,
                 "prefill dtypes: kv is q's 16-bit type or fp8 (rules mixed-16bit-qkv, fa2-no-fp8-q)");
   static_assert(sizeof(DTypeQ) == 2 && sizeof(DTypeO) == 2, "prefill dtypes: q and o are half or bf16 (fa2-no-fp8-q)");
+  static_assert(!kFp8KV || kPosEncoding != kPosRopeLlama,
+                "prefill fp8 KV: no in-kernel RoPE, K stays fp8 in shared memory (rule fa2-fp8-kv-no-rope)");
   static_assert(kCtaTileQ == 16 || kCtaTileQ == 64 || kCtaTileQ == 128, "prefill tile: kCtaTileQ is 16, 64 or 128");
   static_assert(kHeadDimQK % 64 == 0 && kHeadDimVO % 64 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
                 "prefill head dims: 64, 128, 192 or 256 (a row must fill whole 128-byte swizzle lines)");
@@ -75,32 +82,36 @@ struct PrefillTraits {
   static constexpr int kMmaDQK = kHeadDimQK / 16;
   static constexpr int kMmaDVO = kHeadDimVO / 16;
   // n16 kv blocks per warp: the score fragment (kMmaQ x kMmaKV x 8 floats) stays <= 64 registers
-  // beside the o fragment, and Q + K + V tiles stay <= ~110 KB so two CTAs share an SM.
-  static constexpr int kMmaKV = kWarpsKV == 4 ? (kHeadDimQK <= 128 ? 2 : 1)
+  // beside the o fragment, and Q + K + V tiles stay <= ~110 KB so two CTAs share an SM. An fp8
+  // decode-shaped tile takes twice the keys: as many bytes per tile as a 16-bit one.
+  static constexpr int kMmaKV = kWarpsKV == 4 ? (kHeadDimQK <= 128 ? 2 : 1) * (kFp8KV ? 2 : 1)
                                 : kMmaQ == 2  ? 4
                                               : (kHeadDimQK <= 128 ? 8 : 4);
   static constexpr int kTileKV = kMmaKV * kWarpsKV * 16;
-  static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per Q/K row of the 16-bit tiles
-  static constexpr int kCellsVO = kHeadDimVO / 8;
-  static constexpr int kKVPerCell = 16 / int(sizeof(DTypeKV));  // cache elements per 16-byte copy
-  static constexpr int kCopyCellsQK = kHeadDimQK / kKVPerCell;   // 16-byte copies per K row of the cache
+  static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per row of the (16-bit) Q tile
+  static constexpr int kKVPerCell = 16 / int(sizeof(DTypeKV));  // cache elements per 16-byte cell
+  static constexpr int kCopyCellsQK = kHeadDimQK / kKVPerCell;   // 16-byte cells per K row of the cache
   static constexpr int kCopyCellsVO = kHeadDimVO / kKVPerCell;
-  static constexpr int kMinCtasPerSm = 2;
+  // K/V tile rows in shared memory: whole 128-byte swizzle lines (an fp8 row of 64 or 192 bytes is
+  // padded; its padding is never copied or read).
+  static constexpr int kRowCellsQK = common::swizzle_row_cells(kCopyCellsQK);
+  static constexpr int kRowCellsVO = common::swizzle_row_cells(kCopyCellsVO);
+  // 16-dim chunks one ldmatrix_x4 of K or V covers (16 keys of 16-byte rows): one of 16-bit
+  // elements, two of fp8.
+  static constexpr int kChunksPerLoad = kFp8KV ? 2 : 1;
+  // An fp8 decode-shaped tile (16 rows, keys split over the warps, o of 64 floats per thread) fits
+  // three CTAs in registers and shared memory: 96 KB of K/V in flight per SM, as two 16-bit CTAs.
+  static constexpr int kMinCtasPerSm = kFp8KV && kWarpsKV == 4 && kHeadDimVO <= 128 ? 3 : 2;
   // Without a bias or cap the scores stay raw dot products until the softmax, which folds
   // sm_scale_log2 into the FFMA ahead of each exp2 (scaling commutes with the max: the scale is > 0).
   static constexpr bool kRawScores = !kSoftCap && kPosEncoding != kPosAlibi;
 
   struct Tiles {
-    alignas(16) DTypeQ q[kCtaTileQ * kHeadDimQK];
-    alignas(16) DTypeQ k[kTileKV * kHeadDimQK];
-    alignas(16) DTypeQ v[kTileKV * kHeadDimVO];
+    alignas(16) DTypeMma q[kCtaTileQ * kHeadDimQK];
+    alignas(16) DTypeKV k[kTileKV * kRowCellsQK * kKVPerCell];
+    alignas(16) DTypeKV v[kTileKV * kRowCellsVO * kKVPerCell];
     int64_t kv_offsets[2][kTileKV];  // global row offsets of the current and the next KV tile
-  };
-  // One fp8 staging tile serves K and V in turn: K_i is widened before the barrier after which V_i
-  // lands in it, V_i before the one after which K_{i+1} does. Row-major, unswizzled: the thread that
-  // copied a cell widens it, so only global->shared copies and 16-byte reads of whole rows touch it.
-  struct Fp8Tiles : Tiles {
-    alignas(16) DTypeKV staged[kTileKV * (kHeadDimQK > kHeadDimVO ? kHeadDimQK : kHeadDimVO)];
+    unsigned q_abs_max;              // fp8 cache, bf16 q: the bits of the CTA's largest |q|
   };
   // Per-warp states of the column-split variant, written once the last V tile is consumed.
   struct WarpStates {
@@ -110,11 +121,10 @@ struct PrefillTraits {
   };
   struct NoWarpStates {};
   union SharedStorage {
-    std::conditional_t<kFp8KV, Fp8Tiles, Tiles> tiles;
+    Tiles tiles;
     std::conditional_t<(kWarpsKV > 1), WarpStates, NoWarpStates> states;
   };
-  static_assert(sizeof(SharedStorage) * kMinCtasPerSm <= 227 * 1024, "prefill smem: two CTAs must fit one SM");
-  static_assert(kTileKV <= kThreads, "prefill kv tile: one thread per row fills the offset table");
+  static_assert(sizeof(SharedStorage) * kMinCtasPerSm <= 227 * 1024, "prefill smem: kMinCtasPerSm CTAs must fit one SM");
 };
 
 // Rows of this CTA as the kernel sees them: one request, packed rows [row_begin, row_begin + rows).
@@ -154,6 +164,24 @@ struct PrefillState {
 __device__ __forceinline__ int frag_row_half(int e) { return (e % 4) / 2; }
 __device__ __forceinline__ int frag_col(int e, int lane) { return (e / 4) * 8 + 2 * (lane % 4) + e % 2; }
 
+// The column (dim) of o that element e of o's 16-dim chunk dv holds. 16-bit V: frag_col. fp8 V
+// (load_v_fragments): elements 0-3 are the chunk's even dims, 4-7 its odd ones, so lane (g, t)
+// holds dims 4t .. 4t + 3 of its two rows.
+template <typename T>
+__device__ __forceinline__ int o_col(int dv, int e, int lane) {
+  if constexpr (T::kFp8KV) return dv * 16 + 4 * (lane % 4) + 2 * (e % 2) + e / 4;
+  return dv * 16 + frag_col(e, lane);
+}
+
+// Element pairs (first, first + step) of o's chunk that hold two adjacent columns of row half rr
+// (pair 0 at the lower columns): (e, e + 1) for 16-bit V, (e, e + 4) for fp8 V.
+template <typename T>
+__device__ __forceinline__ int o_pair_first(int rr, int pair) {
+  return T::kFp8KV ? rr * 2 + pair : pair * 4 + rr * 2;
+}
+template <typename T>
+constexpr int kOPairStep = T::kFp8KV ? 4 : 1;
+
 // ALiBi slope of query head h (FlashInfer get_alibi_slopes): 2^(-8(h+1)/n) for the first n = 2^floor(log2 Hq)
 // heads, then the odd multiples 2^(-4(2(h-n)+1)/n).
 __device__ __forceinline__ float alibi_slope(int head, int num_heads) {
@@ -161,36 +189,26 @@ __device__ __forceinline__ float alibi_slope(int head, int num_heads) {
   return head < n ? exp2f(-8.f * float(head + 1) / float(n)) : exp2f(-4.f * float(2 * (head - n) + 1) / float(n));
 }
 
-// Paged KV: one thread per tile row writes its row's global offset (past the head) into the tile's
-// table in shared memory, 0 past `end` (the copies zero-fill those rows but still need an
-// address), so each page id is read once per tile, not once per 16-byte copy of K and again of V.
-// A bad page id reads page 0 and raises `bad_page`.
+// Paged KV: each thread writes the global offsets (past the head) of tile rows threadIdx.x +
+// i * kThreads into the tile's table in shared memory, 0 past `end` (the copies zero-fill those
+// rows but still need an address), so each page id is read once per tile, not once per 16-byte copy
+// of K and again of V. A bad page id reads page 0 and raises `bad_page`.
 template <typename T>
 __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T::Params& p, const int32_t* page_ids,
                                                 const common::FastDivmod& page_size, int first, int end,
                                                 bool& bad_page) {
-  const int row = threadIdx.x;
-  if (row >= T::kTileKV) return;
-  int64_t offset = 0;
-  if (first + row < end) {
-    int page_index, in_page;
-    page_size.divmod(first + row, page_index, in_page);
-    const int page = __ldg(page_ids + page_index);
-    const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
-    bad_page |= !ok;
-    offset = (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
-  }
-  table[row] = offset;
-}
-
-// Where copy (row, cell) of a K/V tile lands: the swizzled 16-bit tile the MMAs read, or for an fp8
-// cache the row-major staging tile.
-template <typename T, int kCells>
-__device__ __forceinline__ int copy_cell(int row, int cell) {
-  if constexpr (T::kFp8KV) {
-    return row * kCells + cell;
-  } else {
-    return common::Swizzle128<kCells>::cell(row, cell);
+#pragma unroll
+  for (int row = threadIdx.x; row < T::kTileKV; row += T::kThreads) {
+    int64_t offset = 0;
+    if (first + row < end) {
+      int page_index, in_page;
+      page_size.divmod(first + row, page_index, in_page);
+      const int page = __ldg(page_ids + page_index);
+      const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
+      bad_page |= !ok;
+      offset = (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
+    }
+    table[row] = offset;
   }
 }
 
@@ -238,32 +256,8 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
       row_src = valid ? src : head_base;
       src += step;
     }
-    common::cp_async_16(dst + copy_cell<T, kCells>(row, cell) * T::kKVPerCell, row_src, valid);
-  }
-}
-
-// fp8 cache: widen the staging cells this thread copied (load_kv_tile's walk: one cell column, rows
-// kRowsPerPass apart) into the 16-bit tile. cp_async_wait makes a thread's own copies visible to it,
-// so no barrier is needed between the wait and this; the caller's next barrier publishes the tile.
-// Copy cell c becomes 16-bit cells 2c and 2c + 1; lanes with c / 4 odd store 2c + 1 first, so the
-// eight lanes of each 16-byte store phase hit eight different bank groups.
-template <typename T, int kCells>
-__device__ __forceinline__ void widen_kv_tile(typename T::DTypeQ* dst, const typename T::DTypeKV* staged) {
-  constexpr int kRowsPerPass = T::kThreads / kCells;
-  constexpr int kPasses = (T::kTileKV + kRowsPerPass - 1) / kRowsPerPass;
-  const int row0 = threadIdx.x / kCells, cell = threadIdx.x % kCells;
-  if (T::kThreads % kCells != 0 && row0 >= kRowsPerPass) return;
-  const bool odd_first = (cell / 4) % 2;
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int row = row0 + i * kRowsPerPass;
-    if (T::kTileKV % kRowsPerPass != 0 && row >= T::kTileKV) break;
-    uint4 wide[2];
-    common::Vec16<typename T::DTypeKV>::template widen<typename T::DTypeQ>(
-        *reinterpret_cast<const uint4*>(staged + (row * kCells + cell) * T::kKVPerCell), wide);
-    const int first = 2 * cell + odd_first;
-    *reinterpret_cast<uint4*>(dst + common::Swizzle128<2 * kCells>::cell(row, first) * 8) = odd_first ? wide[1] : wide[0];
-    *reinterpret_cast<uint4*>(dst + common::Swizzle128<2 * kCells>::cell(row, first ^ 1) * 8) = odd_first ? wide[0] : wide[1];
+    common::cp_async_16(dst + common::Swizzle128<common::swizzle_row_cells(kCells)>::cell(row, cell) * T::kKVPerCell,
+                        row_src, valid);
   }
 }
 
@@ -334,15 +328,115 @@ struct LaneCells {
   __device__ __forceinline__ int at(int i, int j) const { return (row0 + 16 * i) * kCells + ((2 * j) ^ x); }
 };
 
+// An fp8 word of four one-byte elements as two registers of fp16 pairs: bytes (0, 1) and (2, 3).
+template <typename T>
+__device__ __forceinline__ void widen_fp8_word(uint32_t word, uint32_t& lo, uint32_t& hi) {
+  lo = common::Vec16<typename T::DTypeKV>::pair_to_half2_bits(word, 0);
+  hi = common::Vec16<typename T::DTypeKV>::pair_to_half2_bits(word, 1);
+}
+
+// K's B fragments for one step of 16 keys (the row addresses of LaneCells kc): b[c][0..1] for keys
+// 0-7 and b[c][2..3] for keys 8-15 of the step's 16-dim chunk c. 16-bit: one ldmatrix_x4, natural
+// order. fp8: matrices (keys 0-7, dims 0-15), (keys 0-7, 16-31), (keys 8-15, 0-15), (keys 8-15,
+// 16-31); lane (g, t) gets dims 4t .. 4t + 3 of key g, which fill B's k slots 2t, 2t + 1 and
+// 2t + 8, 2t + 9: the dim order prepare_q_for_fp8_kv gave q.
+template <typename T>
+__device__ __forceinline__ void load_k_fragments(const typename T::DTypeKV* row, uint32_t (&b)[T::kChunksPerLoad][4]) {
+  uint32_t r[4];
+  common::ldmatrix_x4(r, row);
+  if constexpr (T::kFp8KV) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int keys = 0; keys < 2; ++keys) widen_fp8_word<T>(r[2 * keys + c], b[c][2 * keys], b[c][2 * keys + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) b[0][i] = r[i];
+  }
+}
+
+// V's B fragments (transposed) for one step of 16 keys (LaneCells vc): b[c][0..1] for the first
+// n8 block of o's chunk c, b[c][2..3] for the second. 16-bit: dims 0-7 and 8-15. fp8: ldmatrix.trans
+// hands lane (g, t) the byte pairs (dims 2g, 2g + 1) of keys 2t and 2t + 1; regrouped by dim, they
+// are the even dims 2g (first block) and the odd dims 2g + 1 (second), which o_col follows.
+template <typename T>
+__device__ __forceinline__ void load_v_fragments(const typename T::DTypeKV* row, uint32_t (&b)[T::kChunksPerLoad][4]) {
+  uint32_t r[4];
+  common::ldmatrix_x4_trans(r, row);
+  if constexpr (T::kFp8KV) {
+    // matrices (keys 0-7, dims 0-15), (keys 8-15, 0-15), (keys 0-7, 16-31), (keys 8-15, 16-31)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int keys = 0; keys < 2; ++keys) {
+        const uint32_t by_dim = __byte_perm(r[2 * c + keys], 0u, 0x3120u);  // (k0 d0, k1 d0, k0 d1, k1 d1)
+        widen_fp8_word<T>(by_dim, b[c][keys], b[c][2 + keys]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) b[0][i] = r[i];
+  }
+}
+
+// fp8 cache: rewrite the landed Q tile (16-bit, Swizzle128) for the fp16 MMAs. Each 16-dim chunk
+// takes the order of load_k_fragments (stored dims 2t + j <- 4t + j, 2t + 8 + j <- 4t + 2 + j,
+// t < 4, j < 2: 32-bit words 0, 2, 4, 6, 1, 3, 5, 7); a bf16 q is multiplied by the power of two
+// that brings the CTA's largest |q| into [2^13, 2^14) (fp16 then keeps bf16's 8 significant bits
+// down to 2^-24 of it). Returns what multiplies a score to undo it. Every Q copy must be visible
+// (a barrier after the wait); the caller's next barrier publishes the result.
+template <typename T>
+__device__ __forceinline__ float prepare_q_for_fp8_kv(typename T::Tiles& tiles) {
+  using Vec = common::Vec16<typename T::DTypeQ>;
+  using Swizzle = common::Swizzle128<T::kCellsQK>;
+  const uint4* cells = reinterpret_cast<const uint4*>(tiles.q);
+  int shift = 0;
+  if constexpr (std::is_same_v<typename T::DTypeQ, __nv_bfloat16>) {
+    float abs_max = 0.f;
+    for (int idx = threadIdx.x; idx < T::kCtaTileQ * T::kCellsQK; idx += T::kThreads) {
+      float f[8];
+      Vec::to_float(cells[Swizzle::cell(idx / T::kCellsQK, idx % T::kCellsQK)], f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) abs_max = fmaxf(abs_max, fabsf(f[i]));
+    }
+    // Non-negative floats order as their bits.
+    const unsigned warp_max = __reduce_max_sync(0xffffffffu, __float_as_uint(abs_max));
+    if (threadIdx.x % 32 == 0) atomicMax(&tiles.q_abs_max, warp_max);
+    __syncthreads();
+    const float cta_max = __uint_as_float(tiles.q_abs_max);
+    int exponent;
+    frexpf(cta_max, &exponent);  // cta_max in [2^(exponent - 1), 2^exponent)
+    if (cta_max > 0.f && cta_max <= FLT_MAX) shift = max(-126, min(126, 14 - exponent));
+  }
+  const float scale = __int_as_float((127 + shift) << 23);
+  constexpr int kChunks = T::kHeadDimQK / 16;
+  for (int idx = threadIdx.x; idx < T::kCtaTileQ * kChunks; idx += T::kThreads) {
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    uint4* lo = reinterpret_cast<uint4*>(tiles.q) + Swizzle::cell(row, 2 * chunk);
+    uint4* hi = reinterpret_cast<uint4*>(tiles.q) + Swizzle::cell(row, 2 * chunk + 1);
+    float f[16];
+    Vec::to_float(*lo, *reinterpret_cast<float(*)[8]>(f));
+    Vec::to_float(*hi, *reinterpret_cast<float(*)[8]>(f + 8));
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = common::pack2<half>(f[2 * i] * scale, f[2 * i + 1] * scale);
+    *lo = make_uint4(w[0], w[2], w[4], w[6]);
+    *hi = make_uint4(w[1], w[3], w[5], w[7]);
+  }
+  return __int_as_float((127 - shift) << 23);
+}
+
 // s = Q . K^T for this warp's rows and kv columns (raw dot products, fp32).
 template <typename T>
-__device__ __forceinline__ void compute_scores(const typename T::DTypeQ* q, const typename T::DTypeQ* k, int warp_q,
+__device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, const typename T::DTypeKV* k, int warp_q,
                                                int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
+  constexpr int kChunks = T::kChunksPerLoad;
   const int lane = threadIdx.x % 32;
   // Q: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
   const LaneCells<T::kCellsQK> qc(warp_q * T::kMmaQ * 16 + lane % 16, lane / 16);
-  // K: matrices (kv 0-7, d 0-7), (kv 0-7, d 8-15), (kv 8-15, d 0-7), (kv 8-15, d 8-15).
-  const LaneCells<T::kCellsQK> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  // K: matrices (kv 0-7, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 0), (kv 8-15, cell 1).
+  const LaneCells<T::kRowCellsQK> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
 #pragma unroll
   for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
@@ -353,18 +447,24 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeQ* q, cons
   }
   // Rolled: unrolled, ptxas hoists every step's ldmatrix ahead and runs out of registers.
 #pragma unroll 1
-  for (int kd = 0; kd < T::kMmaDQK; ++kd) {
-    uint32_t a[T::kMmaQ][4];
+  for (int step = 0; step < T::kMmaDQK / kChunks; ++step) {
+    uint32_t a[T::kMmaQ][kChunks][4];
 #pragma unroll
-    for (int mq = 0; mq < T::kMmaQ; ++mq) common::ldmatrix_x4(a[mq], q + qc.at(mq, kd) * 8);
+    for (int mq = 0; mq < T::kMmaQ; ++mq) {
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) common::ldmatrix_x4(a[mq][c], q + qc.at(mq, step * kChunks + c) * 8);
+    }
 #pragma unroll
     for (int mk = 0; mk < T::kMmaKV; ++mk) {
-      uint32_t b[4];
-      common::ldmatrix_x4(b, k + kc.at(mk, kd) * 8);
+      uint32_t b[kChunks][4];
+      load_k_fragments<T>(k + kc.at(mk, step) * T::kKVPerCell, b);
 #pragma unroll
-      for (int mq = 0; mq < T::kMmaQ; ++mq) {
-        common::mma_m16n8k16<typename T::DTypeQ>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][0]), a[mq], b[0], b[1]);
-        common::mma_m16n8k16<typename T::DTypeQ>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][4]), a[mq], b[2], b[3]);
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int mq = 0; mq < T::kMmaQ; ++mq) {
+          common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][0]), a[mq][c], b[c][0], b[c][1]);
+          common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][4]), a[mq][c], b[c][2], b[c][3]);
+        }
       }
     }
   }
@@ -373,12 +473,13 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeQ* q, cons
 // o += P . V for this warp's rows. P arrives as base-2 probabilities in the score fragment; C
 // fragment pairs (e, e + 1) are exactly the A fragment registers of the P.V mma.
 template <typename T>
-__device__ __forceinline__ void accumulate_pv(const typename T::DTypeQ* v, int warp_kv,
+__device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int warp_kv,
                                               const float (&s)[T::kMmaQ][T::kMmaKV][8], PrefillState<T>& st) {
-  using DType = typename T::DTypeQ;
+  using DType = typename T::DTypeMma;
+  constexpr int kChunks = T::kChunksPerLoad;
   const int lane = threadIdx.x % 32;
-  // V, transposed: matrices (kv 0-7, d 0-7), (kv 8-15, d 0-7), (kv 0-7, d 8-15), (kv 8-15, d 8-15).
-  const LaneCells<T::kCellsVO> vc(warp_kv * T::kMmaKV * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  // V, transposed: matrices (kv 0-7, cell 0), (kv 8-15, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 1).
+  const LaneCells<T::kRowCellsVO> vc(warp_kv * T::kMmaKV * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 #pragma unroll
   for (int mk = 0; mk < T::kMmaKV; ++mk) {
     uint32_t a[T::kMmaQ][4];
@@ -388,13 +489,17 @@ __device__ __forceinline__ void accumulate_pv(const typename T::DTypeQ* v, int w
       for (int r = 0; r < 4; ++r) a[mq][r] = common::pack2<DType>(s[mq][mk][2 * r], s[mq][mk][2 * r + 1]);
     }
 #pragma unroll
-    for (int dv = 0; dv < T::kMmaDVO; ++dv) {
-      uint32_t b[4];
-      common::ldmatrix_x4_trans(b, v + vc.at(mk, dv) * 8);
+    for (int step = 0; step < T::kMmaDVO / kChunks; ++step) {
+      uint32_t b[kChunks][4];
+      load_v_fragments<T>(v + vc.at(mk, step) * T::kKVPerCell, b);
 #pragma unroll
-      for (int mq = 0; mq < T::kMmaQ; ++mq) {
-        common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&st.o[mq][dv][0]), a[mq], b[0], b[1]);
-        common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&st.o[mq][dv][4]), a[mq], b[2], b[3]);
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int mq = 0; mq < T::kMmaQ; ++mq) {
+          float(&o_mq)[8] = st.o[mq][step * kChunks + c];
+          common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[0]), a[mq], b[c][0], b[c][1]);
+          common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[4]), a[mq], b[c][2], b[c][3]);
+        }
       }
     }
   }
@@ -407,10 +512,10 @@ struct RowCoords {
   float alibi[T::kMmaQ][2];  // ALiBi slope in score units (base 2, before the soft cap)
 };
 
-// Scale, bias and cap the raw scores of one KV tile whose first column is request token `first`
-// (variants without kRawScores).
+// Scale (score_scale: sm_scale_log2, times prepare_q_for_fp8_kv's factor), bias and cap the raw
+// scores of one KV tile whose first column is request token `first` (variants without kRawScores).
 template <typename T>
-__device__ __forceinline__ void transform_scores(const typename T::Params& p, const PrefillRows& rows,
+__device__ __forceinline__ void transform_scores(const typename T::Params& p, float score_scale, const PrefillRows& rows,
                                                  const RowCoords<T>& rc, int first, int warp_kv,
                                                  float (&s)[T::kMmaQ][T::kMmaKV][8]) {
   const int lane = threadIdx.x % 32;
@@ -422,7 +527,7 @@ __device__ __forceinline__ void transform_scores(const typename T::Params& p, co
       for (int e = 0; e < 8; ++e) {
         const int rr = frag_row_half(e);
         const int col = first + (warp_kv * T::kMmaKV + mk) * 16 + frag_col(e, lane);
-        float x = s[mq][mk][e] * p.sm_scale_log2;
+        float x = s[mq][mk][e] * score_scale;
         if constexpr (T::kPosEncoding == kPosAlibi) x += rc.alibi[mq][rr] * float(col - (rc.token[mq][rr] + rows.pos_shift));
         if constexpr (T::kSoftCap) x = p.soft_cap_log2 * common::fast_tanh(x);
         s[mq][mk][e] = x;
@@ -526,7 +631,7 @@ __device__ __forceinline__ void merge_warp_states(typename T::SharedStorage& sme
     for (int dv = 0; dv < T::kMmaDVO; ++dv) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        if (frag_row_half(e) == rr) ws.o[warp_kv][row][dv * 16 + frag_col(e, lane)] = st.o[0][dv][e];
+        if (frag_row_half(e) == rr) ws.o[warp_kv][row][o_col<T>(dv, e, lane)] = st.o[0][dv][e];
       }
     }
     if (lane % 4 == 0) {
@@ -551,7 +656,7 @@ __device__ __forceinline__ void merge_warp_states(typename T::SharedStorage& sme
       for (int dv = 0; dv < T::kMmaDVO; ++dv) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          if (frag_row_half(e) == rr) st.o[0][dv][e] = st.o[0][dv][e] * a + ws.o[w][row][dv * 16 + frag_col(e, lane)] * b;
+          if (frag_row_half(e) == rr) st.o[0][dv][e] = st.o[0][dv][e] * a + ws.o[w][row][o_col<T>(dv, e, lane)] * b;
         }
       }
     }
@@ -583,10 +688,10 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Pr
 #pragma unroll
         for (int dv = 0; dv < T::kMmaDVO; ++dv) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int e = half * 4 + rr * 2;
-            *reinterpret_cast<uint32_t*>(o_row + dv * 16 + frag_col(e, lane)) =
-                common::pack2<DTypeO>(st.o[mq][dv][e] * inv_d, st.o[mq][dv][e + 1] * inv_d);
+          for (int pair = 0; pair < 2; ++pair) {
+            const int e = o_pair_first<T>(rr, pair);
+            *reinterpret_cast<uint32_t*>(o_row + o_col<T>(dv, e, lane)) =
+                common::pack2<DTypeO>(st.o[mq][dv][e] * inv_d, st.o[mq][dv][e + kOPairStep<T>] * inv_d);
           }
         }
         if (p.lse != nullptr && lane % 4 == 0) {
@@ -598,10 +703,10 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Pr
 #pragma unroll
         for (int dv = 0; dv < T::kMmaDVO; ++dv) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int e = half * 4 + rr * 2;
-            *reinterpret_cast<float2*>(partial + dv * 16 + frag_col(e, lane)) =
-                make_float2(st.o[mq][dv][e] * inv_d, st.o[mq][dv][e + 1] * inv_d);
+          for (int pair = 0; pair < 2; ++pair) {
+            const int e = o_pair_first<T>(rr, pair);
+            *reinterpret_cast<float2*>(partial + o_col<T>(dv, e, lane)) =
+                make_float2(st.o[mq][dv][e] * inv_d, st.o[mq][dv][e + kOPairStep<T>] * inv_d);
           }
         }
         if (lane % 4 == 0) static_cast<float*>(p.tmp_s)[prow] = lse;
@@ -661,8 +766,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     }
   }
 
-  load_q_tile<T>(smem.tiles.q, p, rows, group, kv_head);
+  load_q_tile<T>(reinterpret_cast<DTypeQ*>(smem.tiles.q), p, rows, group, kv_head);
   common::cp_async_commit();
+  if (T::kFp8KV && threadIdx.x == 0) smem.tiles.q_abs_max = 0u;
 
   const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
   const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.v_stride_head;
@@ -675,27 +781,13 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
       fill_kv_offsets<T>(smem.tiles.kv_offsets[tile % 2], p, page_ids, page_size, begin + tile * T::kTileKV, end, bad_page);
     }
   };
-  // K/V copies land in the 16-bit tiles, or for an fp8 cache in the staging tile widen_k / widen_v read.
-  auto copy_dst = [&](DTypeQ* tile16) -> DTypeKV* {
-    if constexpr (T::kFp8KV) {
-      return smem.tiles.staged;
-    } else {
-      return tile16;
-    }
-  };
   auto load_k = [&](int tile) {
-    load_kv_tile<T, T::kCopyCellsQK>(copy_dst(smem.tiles.k), k_head, p.kv_stride_token, smem.tiles.kv_offsets[tile % 2],
+    load_kv_tile<T, T::kCopyCellsQK>(smem.tiles.k, k_head, p.kv_stride_token, smem.tiles.kv_offsets[tile % 2],
                                      kv_token_base, begin + tile * T::kTileKV, end);
   };
   auto load_v = [&](int tile) {
-    load_kv_tile<T, T::kCopyCellsVO>(copy_dst(smem.tiles.v), v_head, p.v_stride_token, smem.tiles.kv_offsets[tile % 2],
+    load_kv_tile<T, T::kCopyCellsVO>(smem.tiles.v, v_head, p.v_stride_token, smem.tiles.kv_offsets[tile % 2],
                                      kv_token_base, begin + tile * T::kTileKV, end);
-  };
-  auto widen_k = [&] {
-    if constexpr (T::kFp8KV) widen_kv_tile<T, T::kCopyCellsQK>(smem.tiles.k, smem.tiles.staged);
-  };
-  auto widen_v = [&] {
-    if constexpr (T::kFp8KV) widen_kv_tile<T, T::kCopyCellsVO>(smem.tiles.v, smem.tiles.staged);
   };
 
   const int num_tiles = end > begin ? (end - begin + T::kTileKV - 1) / T::kTileKV : 0;
@@ -703,6 +795,12 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   if constexpr (T::kPagedKV) __syncthreads();
   if (num_tiles > 0) load_k(0);
   common::cp_async_commit();
+  float score_scale = p.sm_scale_log2;
+  if constexpr (T::kFp8KV) {
+    common::cp_async_wait<1>();  // Q has landed; K_0 stays in flight
+    __syncthreads();
+    score_scale *= prepare_q_for_fp8_kv<T>(smem.tiles);
+  }
 
   // Tiles from here on need no causal / window mask: every row sees every column.
   const int q_pos_first = first_token + rows.pos_shift, q_pos_last = last_token + rows.pos_shift;
@@ -714,8 +812,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int first = begin + tile * T::kTileKV;
     common::cp_async_wait<0>();  // Q and K_tile have landed
-    widen_k();  // the 16-bit K tile is free since the mid-tile barrier of tile - 1
-    __syncthreads();  // ...and every warp is done with V_{tile-1}, and with table (tile + 1) % 2
+    __syncthreads();  // every warp is done with V_{tile-1}, and with table (tile + 1) % 2
     load_v(tile);
     common::cp_async_commit();
     if constexpr (T::kPosEncoding == kPosRopeLlama) {
@@ -726,7 +823,6 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     compute_scores<T>(smem.tiles.q, smem.tiles.k, warp_q, warp_kv, s);
     if (tile + 1 < num_tiles) fill_offsets(tile + 1);
     common::cp_async_wait<0>();  // V_tile has landed
-    widen_v();  // the 16-bit V tile is free since the barrier at the top of this tile
     __syncthreads();  // K is consumed (refill it while softmax and P.V run); the next table is written
     if (tile + 1 < num_tiles) load_k(tile + 1);
     common::cp_async_commit();
@@ -734,9 +830,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     const int last_col = first + T::kTileKV - 1;
     bool boundary = T::kCustomMask || last_col >= end || (causal && last_col > q_pos_first);
     if constexpr (T::kSlidingWindow) boundary = boundary || first < q_pos_last - p.window_left;
-    if constexpr (!T::kRawScores) transform_scores<T>(p, rows, rc, first, warp_kv, s);
+    if constexpr (!T::kRawScores) transform_scores<T>(p, score_scale, rows, rc, first, warp_kv, s);
     if (boundary) mask_scores<T>(p, rows, rc, first, end, warp_kv, s);
-    softmax_update<T>(s, T::kRawScores ? p.sm_scale_log2 : 1.f, st);
+    softmax_update<T>(s, T::kRawScores ? score_scale : 1.f, st);
     accumulate_pv<T>(smem.tiles.v, warp_kv, s, st);
   }
   common::cp_async_wait<0>();
