@@ -99,9 +99,7 @@ struct PrefillTraits {
   // 16-dim chunks one ldmatrix_x4 of K or V covers (16 keys of 16-byte rows): one of 16-bit
   // elements, two of fp8.
   static constexpr int kChunksPerLoad = kFp8KV ? 2 : 1;
-  // An fp8 decode-shaped tile (16 rows, keys split over the warps, o of 64 floats per thread) fits
-  // three CTAs in registers and shared memory: 96 KB of K/V in flight per SM, as two 16-bit CTAs.
-  static constexpr int kMinCtasPerSm = kFp8KV && kWarpsKV == 4 && kHeadDimVO <= 128 ? 3 : 2;
+  static constexpr int kMinCtasPerSm = 2;
   // Without a bias or cap the scores stay raw dot products until the softmax, which folds
   // sm_scale_log2 into the FFMA ahead of each exp2 (scaling commutes with the max: the scale is > 0).
   static constexpr bool kRawScores = !kSoftCap && kPosEncoding != kPosAlibi;
