@@ -1,5 +1,6 @@
-"""FP8 benchmark: attnforge FA3 e4m3 prefill vs our FA3 bf16 and torch SDPA cuDNN bf16, and fp8-KV vs
-bf16-KV decode on the FA2 (CUDA-core) and FA3 (tensor-core) paths, same run.
+"""FP8 benchmark: attnforge FA3 e4m3 prefill vs our FA3 bf16 and torch SDPA cuDNN bf16, FA2 prefill of a
+bf16 query over an e4m3 KV cache vs a bf16 one, and fp8-KV vs bf16-KV decode on the FA2 (CUDA-core
+and tensor-core) and FA3 (tensor-core) paths, same run.
 
     python -m attnforge.benchmarks.fp8 [--shapes 4x4096] [--head-dims 128 256] [--no-decode] [--out F.json]
 
@@ -7,7 +8,8 @@ Prefill shape (the acceptance config): 32 query / 8 kv heads (head dim 256: 16 /
 query tokens over the same L kv tokens, causal and non-causal. fp8: e4m3 q, k, v, each randn divided
 by its scale (SCALES) and rounded, bf16 output; paged (page size 16, pages scattered) and ragged.
 bf16 and cuDNN get the same contents: the fp8 values times their scale, exact in bf16. TFLOP/s counts
-4 * B * L^2 * Hq * D, halved for causal, for every dtype. Decode: batch 64 x kv 4096, 8 kv heads,
+4 * B * L^2 * Hq * D, halved for causal, for every dtype. FA2 fp8-KV prefill: the same shapes, the
+bf16 q with the e4m3 k, v (k_scale, v_scale) against the bf16 q, k, v of the same values. Decode: batch 64 x kv 4096, 8 kv heads,
 hd 128, page 16, GQA groups 1, 4, 8; bf16 KV vs e4m3 KV (the same values) on CUDA cores, and on
 sm90 the fa3 tensor-core path with bf16 q/KV vs e4m3 q/KV (the fp8 wgmma takes both operands fp8).
 
@@ -172,6 +174,49 @@ def prefill_rows(args) -> list[PrefillRow]:
             for dim in args.head_dims for b, n in args.shapes for causal in (False, True)]
 
 
+@dataclass
+class Fp8KvPrefillRow:
+    """fa2 prefill of a bf16 query over an e4m3 KV cache (widened in the kernel) vs the bf16 cache."""
+
+    batch: int
+    length: int
+    head_dim: int
+    causal: bool
+    fp8_kv_paged_tflops: float
+    fp8_kv_ragged_tflops: float
+    bf16_ragged_tflops: float
+    rel_l2: float  # fp8-KV vs bf16 output, the worse of paged and ragged
+    max_abs: float
+
+    @property
+    def fp8_kv_vs_bf16(self) -> float:
+        return self.fp8_kv_ragged_tflops / self.bf16_ragged_tflops
+
+
+def measure_fp8_kv_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, args) -> Fp8KvPrefillRow:
+    fp8 = converted(prefill.make_problem(batch, length, h), quantize)
+    bf16 = converted(fp8, dequantize)
+    fp8_kv = replace(fp8, q=bf16.q)
+    kv_scales = dict(k_scale=SCALES.k, v_scale=SCALES.v)
+    runs = {
+        "fp8-KV paged": prefill.ours(fp8_kv, causal, True, "fa2", kv_scales),
+        "fp8-KV ragged": prefill.ours(fp8_kv, causal, False, "fa2", kv_scales),
+        "bf16 ragged": prefill.ours(bf16, causal, False, "fa2"),
+    }
+    rel_l2, max_abs = checked_once(runs, "bf16 ragged", f"fa2 prefill {batch}x{length} hd {h.dim} causal={causal}")
+    flops = prefill.flop_count(batch, length, h, causal)
+    tflops = {key: flops / (time_cuda_us(run, args.iters, args.warmup) * 1e6) for key, (run, _) in runs.items()}
+    del fp8, bf16, fp8_kv, runs
+    torch.cuda.empty_cache()
+    return Fp8KvPrefillRow(batch, length, h.dim, causal, tflops["fp8-KV paged"], tflops["fp8-KV ragged"],
+                           tflops["bf16 ragged"], rel_l2, max_abs)
+
+
+def fp8_kv_prefill_rows(args) -> list[Fp8KvPrefillRow]:
+    return [measure_fp8_kv_prefill(b, n, prefill.Heads.for_head_dim(dim), causal, args)
+            for dim in args.head_dims for b, n in args.shapes for causal in (False, True)]
+
+
 # ---------------------------------------------------------------------------------------
 # decode
 
@@ -251,6 +296,11 @@ def decode_rows(args, copy_gbps: float) -> list[DecodeRow]:
 # report
 
 
+def _shape_cells(batch: int, length: int, head_dim: int, causal: bool) -> str:
+    h = prefill.Heads.for_head_dim(head_dim)
+    return f"| {batch} x {length} | {head_dim} ({h.qo}/{h.kv}) | {'yes' if causal else 'no'} |"
+
+
 def prefill_table(rows: list[PrefillRow]) -> list[str]:
     lines = [f"Prefill, fa3 e4m3 q/k/v (scales q {SCALES.q:g}, k {SCALES.k:g}, v {SCALES.v:g}) -> bf16 o:", "",
              "| batch x len | head dim (q/kv heads) | causal | fp8 paged TFLOP/s | fp8 ragged TFLOP/s | "
@@ -258,11 +308,22 @@ def prefill_table(rows: list[PrefillRow]) -> list[str]:
              "rel L2 vs bf16 | max abs vs bf16 | notes |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
-        h = prefill.Heads.for_head_dim(r.head_dim)
-        lines.append(f"| {r.batch} x {r.length} | {r.head_dim} ({h.qo}/{h.kv}) | {'yes' if r.causal else 'no'} | "
+        lines.append(f"{_shape_cells(r.batch, r.length, r.head_dim, r.causal)} "
                      f"{r.fp8_paged_tflops:.1f} | {r.fp8_ragged_tflops:.1f} | {r.bf16_ragged_tflops:.1f} | "
                      f"{_fmt(r.cudnn_tflops)} | {r.fp8_vs_bf16:.2f} | {_fmt(r.fp8_vs_cudnn, '.2f')} | "
                      f"{r.rel_l2:.2e} | {r.max_abs:.2e} | {r.notes} |")
+    return lines
+
+
+def fp8_kv_prefill_table(rows: list[Fp8KvPrefillRow]) -> list[str]:
+    lines = [f"Prefill, fa2, bf16 q over an e4m3 KV cache (k_scale {SCALES.k:g}, v_scale {SCALES.v:g}) -> bf16 o:", "",
+             "| batch x len | head dim (q/kv heads) | causal | fp8-KV paged TFLOP/s | fp8-KV ragged TFLOP/s | "
+             "bf16 ragged TFLOP/s | fp8-KV / bf16 (ragged) | rel L2 vs bf16 | max abs vs bf16 |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"{_shape_cells(r.batch, r.length, r.head_dim, r.causal)} "
+                     f"{r.fp8_kv_paged_tflops:.1f} | {r.fp8_kv_ragged_tflops:.1f} | {r.bf16_ragged_tflops:.1f} | "
+                     f"{r.fp8_kv_vs_bf16:.2f} | {r.rel_l2:.2e} | {r.max_abs:.2e} |")
     return lines
 
 
@@ -278,10 +339,13 @@ def decode_table(rows: list[DecodeRow], copy_gbps: float) -> list[str]:
     return lines
 
 
-def markdown(rows: list[PrefillRow], decode_results: list[DecodeRow], copy_gbps: float) -> str:
+def markdown(rows: list[PrefillRow], decode_results: list[DecodeRow], copy_gbps: float,
+             fp8_kv_rows: list[Fp8KvPrefillRow] = ()) -> str:
     tables = []
     if rows:
         tables.append(prefill_table(rows))
+    if fp8_kv_rows:
+        tables.append(fp8_kv_prefill_table(fp8_kv_rows))
     if decode_results:
         tables.append(decode_table(decode_results, copy_gbps))
     return "\n\n".join("\n".join(lines) for lines in tables)
@@ -294,16 +358,18 @@ def main(argv=None) -> int:
         return 2
     try:
         rows = prefill_rows(args)
+        kv_rows = fp8_kv_prefill_rows(args)
         copy_gbps = copy_bandwidth_gbps()
         decode_results = [] if args.no_decode else decode_rows(args, copy_gbps)
     except AssertionError as exc:
         print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
         return 1
-    print(markdown(rows, decode_results, copy_gbps))
+    print(markdown(rows, decode_results, copy_gbps, kv_rows))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_gbps=copy_gbps,
                            scales=asdict(SCALES), rows=[asdict(r) for r in rows],
+                           fa2_fp8_kv_prefill=[asdict(r) for r in kv_rows],
                            decode=[asdict(r) for r in decode_results]), f, indent=2)
     return 0
 

@@ -94,3 +94,14 @@ def test_decode_table_has_a_speedup_per_path_and_group():
     body = [line for line in table.splitlines() if line.startswith("| CUDA") or line.startswith("| tensor")]
     assert len(body) == 2 * len(prefill.DECODE_GROUPS)
     assert all("| 2.00 |" in line for line in body)
+
+
+def test_fp8_kv_prefill_table_reports_the_ratio_to_the_bf16_cache():
+    rows = [fp8.Fp8KvPrefillRow(4, 4096, 128, causal, 310.0, 320.0, 340.0, 2e-3, 1e-2) for causal in (False, True)]
+    table = fp8.markdown([], [], 4000.0, rows)
+    lines = table.splitlines()
+    assert lines[-2].startswith("| 4 x 4096 | 128 (32/8) | no | 310.0 | 320.0 | 340.0 | 0.94 |")
+    assert lines[-1].startswith("| 4 x 4096 | 128 (32/8) | yes |")
+    header = next(line for line in lines if line.startswith("| batch x len"))
+    assert header.count("|") == lines[-1].count("|")
+    assert "Decode" not in table and "fa2, bf16 q over an e4m3 KV cache" in table
