@@ -9,9 +9,9 @@
 //   Shared memory holds the Q tile, one K tile and one V tile, each 128B-XOR-swizzled; K_{i+1} loads
 //   during softmax and P.V of tile i, V_{i+1} during Q.K of tile i+1 (FlashInfer's staggered loads),
 //   and two CTAs per SM hide the rest.
-//   An fp8 KV cache (e4m3/e5m2, with a 16-bit q) stays fp8 in shared memory (half the bytes of a
-//   tile, so twice the keys in flight per byte of it); each warp widens the fragments it loads to
-//   fp16, exactly, and runs fp16 MMAs. Its q is put in fp16 once per CTA (a bf16 one times a power
+//   An fp8 KV cache (e4m3/e5m2, with a 16-bit q) stays fp8 in shared memory (a decode-shaped tile
+//   holds twice the keys in a 16-bit tile's bytes); each warp widens the fragments it loads to fp16,
+//   exactly, and runs fp16 MMAs. Its q is put in fp16 once per CTA (a bf16 one times a power
 //   of two, undone in the score scale) with the dims of every 16-dim chunk in the order the fp8 K
 //   fragments arrive in (prepare_q_for_fp8_kv); o's columns come out in the order V's do (o_col).
 //   Its k_scale / v_scale are the caller's (folded into sm_scale_log2, applied to o after the kernel).
