@@ -299,6 +299,20 @@ def test_fp8_cache_as_accurate_as_its_exact_16bit_copy(case):
     torch.testing.assert_close(lse8, lse16, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("q_exponent", [20, -24])
+def test_fp8_cache_with_a_bf16_query_outside_fp16_range(q_exponent):
+    """Over an fp8 cache the kernel runs fp16 MMAs, a bf16 q brought into fp16's range by a power of
+    two per CTA. q times 2^e with k_scale 2^-e (the same scores) must still match the reference when q
+    lies far above fp16's largest value (2^20 x randn) or far below its smallest normal (2^-24)."""
+    case = Case(FP8[0], qo_lens=[300, 1, 77], kv_lens=[1000, 2000, 77], causal=True, paged=True, layout="NHD",
+                page_size=16, num_kv_heads=2, group=4, seed=7, k_scale=2.0 ** -q_exponent, v_scale=0.5)
+    batch = build(case)
+    batch.q.mul_(2.0 ** q_exponent)  # exact: a power of two, inside bf16's range
+    out, lse = run_ours(case, batch)
+    assert_matches_reference(case, out, lse, *run_reference(case, batch))
+    assert_fp8_error_within_bounds(case, batch, out)
+
+
 @gpu_settings(max_examples=12)
 @given(cases([PLAIN[0], FA3[0]], max_batch=3, max_qo=64, token_budget=60000))
 def test_split_kv_equals_unsplit(case):
