@@ -196,7 +196,9 @@ __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T
                                                 const common::FastDivmod& page_size, int first, int end,
                                                 bool& bad_page) {
 #pragma unroll
-  for (int row = threadIdx.x; row < T::kTileKV; row += T::kThreads) {
+  for (int i = 0; i < (T::kTileKV + T::kThreads - 1) / T::kThreads; ++i) {
+    const int row = threadIdx.x + i * T::kThreads;
+    if (row >= T::kTileKV) return;
     int64_t offset = 0;
     if (first + row < end) {
       int page_index, in_page;
