@@ -9,9 +9,10 @@ query tokens over the same L kv tokens, causal and non-causal. fp8: e4m3 q, k, v
 by its scale (SCALES) and rounded, bf16 output; paged (page size 16, pages scattered) and ragged.
 bf16 and cuDNN get the same contents: the fp8 values times their scale, exact in bf16. TFLOP/s counts
 4 * B * L^2 * Hq * D, halved for causal, for every dtype. FA2 fp8-KV prefill: the same shapes, the
-bf16 q with the e4m3 k, v (k_scale, v_scale) against the bf16 q, k, v of the same values. Decode: batch 64 x kv 4096, 8 kv heads,
-hd 128, page 16, GQA groups 1, 4, 8; bf16 KV vs e4m3 KV (the same values) on CUDA cores, and on
-sm90 the fa3 tensor-core path with bf16 q/KV vs e4m3 q/KV (the fp8 wgmma takes both operands fp8).
+bf16 q with the e4m3 k, v (k_scale, v_scale) against the bf16 q, k, v of the same values. Decode:
+batch 64 x kv 4096, 8 kv heads, hd 128, page 16, GQA groups 1, 4, 8; bf16 KV vs e4m3 KV (the same
+values) on fa2's CUDA cores and tensor cores, and on sm90 the fa3 tensor-core path with bf16 q/KV vs
+e4m3 q/KV (the fp8 wgmma takes both operands fp8).
 
 Method: CUDA events around each call, median after warm-up, no L2 flush. Before timing, every fp8
 output is poisoned with NaN, computed once and compared with the bf16 output of the same contents;
