@@ -240,9 +240,13 @@ struct PrefillTraits {
   // 128 x (168 - 56) = 256 x (224 - 168) where the producer does more per tile than issue TMA
   // boxes and the consumers fit 224: 16-bit paged (page ids; paged hd 256 +10% at 1 x 16384,
   // same-run A/B) and fp8 up to hd 128 (V transposes: it spilled 92 bytes at 40). fp8 hd 256's
-  // consumers need all 232. Three consumers: 128 x (128 - 32) = 384 x (160 - 128).
+  // consumers hold o (128 registers), S (64) and P (16) for the wgmmas at once: at 232 ptxas
+  // serialized every wgmma of the kernel (C7512), so they take 240 and the producer 24
+  // (128 x (168 - 24) = 256 x (240 - 168)), which it spills to. Three consumers:
+  // 128 x (128 - 32) = 384 x (160 - 128).
   // With V transposed ahead, only page ids are left to an fp8 producer.
   static constexpr bool kBusyProducer = kFp8 ? kHeadDimVO <= 128 && (kPagedKV || !kVtAhead) : kPagedKV;
+  static constexpr bool kWideO = kFp8 && kHeadDimVO > 128;
   // Where producer thread 0 takes the next job and reads it from the plan (produce): once the
   // stages are full where the producer then waits for the consumers (16-bit ragged), else after
   // the job's last tile. Paged and fp8 producers (page ids, V transposes) are the slower role, and
@@ -251,8 +255,8 @@ struct PrefillTraits {
   // (group 1), 156 -> 161 us (group 8); paged prefill read 1-3% lower with it (two runs compared,
   // not a same-run A/B).
   static constexpr bool kClaimEarly = !kFp8 && !kPagedKV;
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : kBusyProducer ? 56 : 40;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : kBusyProducer ? 224 : 232;
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 3 ? 32 : kBusyProducer ? 56 : kWideO ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 3 ? 160 : kBusyProducer ? 224 : kWideO ? 240 : 232;
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
                 "fa3 prefill: setmaxnreg asks for more registers than the launch holds");
   static constexpr int kCellElements = 16 / kElementBytes;  // elements per 16-byte cell
