@@ -21,9 +21,9 @@
 //   in the plan's order (longest items first); a CTA runs job blockIdx.x, then takes the next
 //   untaken one from the plan's job counter until none is left (the counter is 0 again after each
 //   launch), 16-bit ragged kernels one job ahead (kClaimEarly). block = 128 threads per
-//   warpgroup: warpgroup 0 produces, the next 2 (hd 64, 16-bit: 3) consume. A job's kBlockM = 64
-//   x consumers rows are packed (token, head-in-group) rows: row p -> token p / group, head
-//   p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
+//   warpgroup: warpgroup 0 produces, the next 2 (16-bit hd 64 and 128, fp8 hd 128: 3) consume.
+//   A job's kBlockM = 64 x consumers rows are packed (token, head-in-group) rows: row p -> token
+//   p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
 //   Q: the producer loads the tile once the previous job's last Q K^T is done (q_empty): by TMA,
 //   a box of whole tokens' group heads per 128-byte column block, when the group divides the tile
 //   and q's strides allow, else by cp.async; then q_full. The producer thus runs into the next job
@@ -176,13 +176,21 @@ struct PrefillTraits {
   // bits suit weights in [0, 256]; the wgmma takes e4m3 x e5m2).
   using ElementP = std::conditional_t<kFp8, cutlass::float_e4m3_t, Element>;
 
+  // fp8 prefill up to hd 128 and 16-bit hd 128 (no soft cap or window) run each consumer
+  // warpgroup's tiles in order (run_kv_tiles_in_order): none holds S, P and o for the wgmmas at
+  // once, so three warpgroups fit at 160 registers, and the others' GEMMs and softmaxes fill each
+  // one's waits. Same-run A/B against two overlapping warpgroups in pingpong (4 x 4096, 32 / 8
+  // heads): e4m3 +11% non-causal, +5% causal (1 x 16384 +10..+12%, paged +8..+10%); bf16 +2.5% /
+  // +0.5%, paged +3% / +0.5% (its 176-key tiles become 128 keys in two stages; 16 x 1024 +4..+5%).
+  static constexpr bool kInOrder = kFp8 ? kHeadDimVO <= 128 && !kDecodeItems
+                                        : kHeadDimQK == 128 && kHeadDimVO == 128 && !kSoftCap && !kSlidingWindow;
   // Consumer warpgroups, each owning the 64 rows of one wgmma. hd 64 takes three: its GEMMs are
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
-  static constexpr int kConsumerWarpgroups = !kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64 ? 3 : 2;
+  static constexpr int kConsumerWarpgroups = kInOrder || (!kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64) ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
   // Whether the kernel has decode instantiations (WithDecodeRows) for launch_prefill to pick; the
   // keys along M up to hd 128 (at hd 256 the two P^T tiles do not fit beside two stages).
-  static constexpr bool kHasDecodeItems = kFp8 && kPagedKV && kConsumerWarpgroups == 2;
+  static constexpr bool kHasDecodeItems = kFp8 && kPagedKV;
   static constexpr bool kHasKeysAlongM = kHasDecodeItems && kHeadDimQK <= 128 && kHeadDimVO <= 128;
   static_assert(!kDecodeItems || kHasDecodeItems,
                 "fa3 decode items: warpgroup 1 transposes fp8 V tiles of paged items of <= 64 rows");
@@ -192,23 +200,21 @@ struct PrefillTraits {
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
   // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
   // tile's kv rows must fill a 128-byte line, and (256, 256) then fits two stages and the staging.
-  // Ragged 16-bit kernels take FA3's wider tiles, whose per-tile costs cover more keys: 176 tokens
-  // at hd 128 in two stages (208 KB; same-run A/B against 128 tokens in three stages: +1..+6%,
-  // causal included), 80 at hd 256 in two stages (224 KB; against 64: +3..+6%). Paged kernels
-  // keep 128 or 64, which every power-of-two page up to 128 divides (their boxes are whole pages;
-  // paged hd 256 in 80-key tiles measured no faster); soft cap and sliding window too (with their
-  // registers, 176-key scores spill: 592 bytes). kWideKvTile: the wider width, 0 where none applies.
+  // Ragged 16-bit hd 256 takes FA3's wider tile, whose per-tile costs cover more keys: 80 in two
+  // stages (224 KB; against 64: +3..+6%). hd 128 took 176 in two stages until it ran in order; in
+  // order 112 keys in three stages lost 1-8% to 128 in two. Paged kernels keep 128 or 64, which
+  // every power-of-two page up to 128 divides (their boxes are whole pages; paged hd 256 in 80-key
+  // tiles measured no faster); soft cap and sliding window too. kWideKvTile: the wider width, 0
+  // where none applies.
   static constexpr int kHeadDims = kHeadDimQK + kHeadDimVO;
-  static constexpr int kWideKvTile = kFp8 || kPagedKV || kSoftCap || kSlidingWindow || kConsumerWarpgroups != 2 ? 0
-                                     : kHeadDims <= 256 ? 176
-                                     : kHeadDims > 320  ? 80
-                                                        : 0;
+  static constexpr int kWideKvTile = !kFp8 && !kPagedKV && !kSoftCap && !kSlidingWindow && kHeadDims > 320 ? 80 : 0;
   static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kFp8 || kHeadDims <= 320 ? 128 : 64;
   // Pingpong between the consumer warpgroups (scheduler_wait) except where a same-run A/B found the
   // warpgroups faster issuing when ready: 16-bit hd 256 in 64-key tiles (bf16 ragged +2..+5%
   // without it; its 80-key ragged tiles are 1% faster with it) and hd 64 (a ring of three,
   // +2..+4%). hd 128 loses 4-6% without it; fp8 and (192, 128) are within noise either way.
-  static constexpr bool kPingpong = kFp8 || (kConsumerWarpgroups == 2 && kBlockN > 64);
+  // In-order kernels issue when ready: a ring of three (turns at Q K^T) lost 5-9% at e4m3 hd 128.
+  static constexpr bool kPingpong = (kFp8 && !kInOrder) || (kConsumerWarpgroups == 2 && kBlockN > 64);
   // A third K/V stage where it fits (hd <= 128 at 128 tokens, paged too: its page table is one 1 KB
   // slot); the fixed bytes are the Q tile, the page table, the slack for aligning the base and the
   // barriers.
@@ -1467,6 +1473,38 @@ __device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, co
   Barrier::arrive(&smem.v_empty[last]);
 }
 
+// A computing consumer warpgroup's kv loop in order (T::kInOrder): tile n's S, its softmax, o's
+// rescale, then P.V, waited for before S_{n+1} is issued. The warpgroup never holds S, P and o for
+// the wgmmas at once, so three fit beside each other, and the other warpgroups' GEMMs and softmaxes
+// fill each one's waits.
+template <typename T, typename TensorS, typename TensorO, typename IssueS, typename IssueO, typename Softmax,
+          typename Rescale, typename ToP>
+__device__ __forceinline__ void run_kv_tiles_in_order(typename T::SharedStorage& smem,
+                                                      const PipelineCount<T::kStages>& count, int num_tiles,
+                                                      TensorS& s_acc, TensorO& o_acc, IssueS issue_s, IssueO issue_o,
+                                                      Softmax softmax, Rescale rescale, ToP to_p) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  float alpha[2];
+  Barrier::wait(&smem.q_full, count.items & 1);
+  for (int n = 0; n < num_tiles; ++n) {
+    const int stage = warp_uniform(count.stage(n));
+    wait_tile(&smem.k_full[stage], count.phase(n));
+    issue_s(stage);
+    cute::warpgroup_wait<0>();
+    cute::warpgroup_fence_operand(s_acc);
+    Barrier::arrive(&smem.k_empty[stage]);
+    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty);
+    softmax(n, alpha);
+    rescale(alpha);
+    to_p();
+    wait_tile(&smem.v_full[stage], count.phase(n));
+    issue_o(stage, n);
+    cute::warpgroup_wait<0>();
+    cute::warpgroup_fence_operand(o_acc);
+    Barrier::arrive(&smem.v_empty[stage]);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode items of at most 8 rows: the keys along M (T::kKeysAlongM)
 //
@@ -1774,15 +1812,19 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     Tensor tOrP = make_tensor<typename T::ElementP>(typename T::FragmentPShape{});
     if constexpr (T::kDecodeItems) clear(tOrP);  // rows never live keep these zeros
-    run_kv_tiles<T>(
-        smem, count, num_tiles, wg, tSrS, tOrO, [&](int stage) { issue_qk(tSrS, stage); },
-        [&](int stage, int) { issue_pv(tOrP, stage); },
-        [&](int n, float (&alpha)[2]) { softmax_tile(tSrS, n, alpha); },
-        // A warp's 16 rows rarely all keep their max in the first tiles, and almost always after.
-        [&](const float (&alpha)[2]) {
-          if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_rows(o, alpha);
-        },
-        [&] { convert_p<T>(tSrS, tOrP, live); });
+    auto issue_s = [&](int stage) { issue_qk(tSrS, stage); };
+    auto issue_o = [&](int stage, int) { issue_pv(tOrP, stage); };
+    auto softmax = [&](int n, float (&alpha)[2]) { softmax_tile(tSrS, n, alpha); };
+    // A warp's 16 rows rarely all keep their max in the first tiles, and almost always after.
+    auto rescale = [&](const float (&alpha)[2]) {
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_rows(o, alpha);
+    };
+    auto to_p = [&] { convert_p<T>(tSrS, tOrP, live); };
+    if constexpr (T::kInOrder) {
+      run_kv_tiles_in_order<T>(smem, count, num_tiles, tSrS, tOrO, issue_s, issue_o, softmax, rescale, to_p);
+    } else {
+      run_kv_tiles<T>(smem, count, num_tiles, wg, tSrS, tOrO, issue_s, issue_o, softmax, rescale, to_p);
+    }
   }
 
 #pragma unroll
@@ -2008,7 +2050,9 @@ cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
         return launch_prefill<typename T::template WithDecodeRows<8>>(p, stream);
       }
     }
-    if (p.q_tokens == p.batch_size) return launch_prefill<typename T::template WithDecodeRows<64>>(p, stream);
+    // Its tile holds two consumer warpgroups' rows: a group larger (rows past them) stays here.
+    using Decode = typename T::template WithDecodeRows<64>;
+    if (p.q_tokens == p.batch_size && p.group_size <= Decode::kBlockM) return launch_prefill<Decode>(p, stream);
   }
   cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
