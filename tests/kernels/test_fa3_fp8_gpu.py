@@ -218,13 +218,14 @@ def test_fa3_fp8_one_token_requests_match_dequantized_reference(layout, capsys):
     check_against_reference(128, 0, LAYOUTS[layout], capsys, lens=lens)
 
 
-@pytest.mark.parametrize("group", [1, 4, 8, 12, 16, 64, 80])
+@pytest.mark.parametrize("group", [1, 4, 8, 12, 16, 64, 80, 160])
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_fa3_fp8_tensor_core_decode_matches_dequantized_reference(head_dim, group):
     """Tensor-core decode on fa3 fp8 (the kernel's decode instantiations) against the reference, at
     groups of at most 8 rows (hd 128: the keys along M; hd 256: part of warp 0, its second half of
     rows idle), all of warp 0 (12, 16), all of consumer warpgroup 0 (64), or spilling into
-    warpgroup 1 (80: both compute, the producer transposes V)."""
+    warpgroup 1 (80: both compute, the producer transposes V); 160 rows are more than a decode
+    instantiation's 128 and are left to the prefill kernel (hd 128: one 192-row tile)."""
     gen = torch.Generator(device=DEVICE).manual_seed(group + head_dim)
     batch, kv_heads, page_size = 9, 2, 16
     kv_lens = torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(group)).tolist()

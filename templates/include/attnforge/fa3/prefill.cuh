@@ -21,7 +21,7 @@
 //   in the plan's order (longest items first); a CTA runs job blockIdx.x, then takes the next
 //   untaken one from the plan's job counter until none is left (the counter is 0 again after each
 //   launch), 16-bit ragged kernels one job ahead (kClaimEarly). block = 128 threads per
-//   warpgroup: warpgroup 0 produces, the next 2 (16-bit hd 64 and 128, fp8 hd 128: 3) consume.
+//   warpgroup: warpgroup 0 produces, the next 2 (16-bit hd 64, fp8 hd 128: 3) consume.
 //   A job's kBlockM = 64 x consumers rows are packed (token, head-in-group) rows: row p -> token
 //   p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
 //   Q: the producer loads the tile once the previous job's last Q K^T is done (q_empty): by TMA,
@@ -176,14 +176,13 @@ struct PrefillTraits {
   // bits suit weights in [0, 256]; the wgmma takes e4m3 x e5m2).
   using ElementP = std::conditional_t<kFp8, cutlass::float_e4m3_t, Element>;
 
-  // fp8 prefill up to hd 128 and 16-bit hd 128 (no soft cap or window) run each consumer
-  // warpgroup's tiles in order (run_kv_tiles_in_order): none holds S, P and o for the wgmmas at
-  // once, so three warpgroups fit at 160 registers, and the others' GEMMs and softmaxes fill each
-  // one's waits. Same-run A/B against two overlapping warpgroups in pingpong (4 x 4096, 32 / 8
-  // heads): e4m3 +11% non-causal, +5% causal (1 x 16384 +10..+12%, paged +8..+10%); bf16 +2.5% /
-  // +0.5%, paged +3% / +0.5% (its 176-key tiles become 128 keys in two stages; 16 x 1024 +4..+5%).
-  static constexpr bool kInOrder = kFp8 ? kHeadDimVO <= 128 && !kDecodeItems
-                                        : kHeadDimQK == 128 && kHeadDimVO == 128 && !kSoftCap && !kSlidingWindow;
+  // fp8 prefill up to hd 128 runs each consumer warpgroup's tiles in order (run_kv_tiles_in_order):
+  // none holds S, P and o for the wgmmas at once, so three warpgroups fit at 160 registers, and the
+  // others' GEMMs and softmaxes fill each one's waits. Same-run A/B against two overlapping
+  // warpgroups in pingpong (4 x 4096, 32 / 8 heads, e4m3): +11% non-causal, +5% causal (1 x 16384
+  // +10..+12%, paged +8..+10%). (16-bit hd 128 measured +2.5% / +0.5% so, in 128-key tiles; not
+  // landed: design notes, twenty-second session.)
+  static constexpr bool kInOrder = kFp8 && kHeadDimVO <= 128 && !kDecodeItems;
   // Consumer warpgroups, each owning the 64 rows of one wgmma. hd 64 takes three: its GEMMs are
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
   static constexpr int kConsumerWarpgroups = kInOrder || (!kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64) ? 3 : 2;
@@ -200,14 +199,17 @@ struct PrefillTraits {
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
   // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
   // tile's kv rows must fill a 128-byte line, and (256, 256) then fits two stages and the staging.
-  // Ragged 16-bit hd 256 takes FA3's wider tile, whose per-tile costs cover more keys: 80 in two
-  // stages (224 KB; against 64: +3..+6%). hd 128 took 176 in two stages until it ran in order; in
-  // order 112 keys in three stages lost 1-8% to 128 in two. Paged kernels keep 128 or 64, which
-  // every power-of-two page up to 128 divides (their boxes are whole pages; paged hd 256 in 80-key
-  // tiles measured no faster); soft cap and sliding window too. kWideKvTile: the wider width, 0
-  // where none applies.
+  // Ragged 16-bit kernels take FA3's wider tiles, whose per-tile costs cover more keys: 176 tokens
+  // at hd 128 in two stages (208 KB; same-run A/B against 128 tokens in three stages: +1..+6%,
+  // causal included), 80 at hd 256 in two stages (224 KB; against 64: +3..+6%). Paged kernels
+  // keep 128 or 64, which every power-of-two page up to 128 divides (their boxes are whole pages;
+  // paged hd 256 in 80-key tiles measured no faster); soft cap and sliding window too (with their
+  // registers, 176-key scores spill: 592 bytes). kWideKvTile: the wider width, 0 where none applies.
   static constexpr int kHeadDims = kHeadDimQK + kHeadDimVO;
-  static constexpr int kWideKvTile = !kFp8 && !kPagedKV && !kSoftCap && !kSlidingWindow && kHeadDims > 320 ? 80 : 0;
+  static constexpr int kWideKvTile = kFp8 || kPagedKV || kSoftCap || kSlidingWindow || kConsumerWarpgroups != 2 ? 0
+                                     : kHeadDims <= 256 ? 176
+                                     : kHeadDims > 320  ? 80
+                                                        : 0;
   static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kFp8 || kHeadDims <= 320 ? 128 : 64;
   // Pingpong between the consumer warpgroups (scheduler_wait) except where a same-run A/B found the
   // warpgroups faster issuing when ready: 16-bit hd 256 in 64-key tiles (bf16 ragged +2..+5%
