@@ -225,7 +225,8 @@ def test_fa3_fp8_tensor_core_decode_matches_dequantized_reference(head_dim, grou
     groups of at most 8 rows (hd 128: the keys along M; hd 256: part of warp 0, its second half of
     rows idle), all of warp 0 (12, 16), all of consumer warpgroup 0 (64), or spilling into
     warpgroup 1 (80: both compute, the producer transposes V); 160 rows are more than a decode
-    instantiation's 128 and are left to the prefill kernel (hd 128: one 192-row tile)."""
+    instantiation's tile (hd 128: one 192-row prefill tile, left to the prefill kernel; hd 256: two of
+    the decode instantiation's 128-row tiles)."""
     gen = torch.Generator(device=DEVICE).manual_seed(group + head_dim)
     batch, kv_heads, page_size = 9, 2, 16
     kv_lens = torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(group)).tolist()

@@ -2052,9 +2052,11 @@ cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
         return launch_prefill<typename T::template WithDecodeRows<8>>(p, stream);
       }
     }
-    // Its tile holds two consumer warpgroups' rows: a group larger (rows past them) stays here.
+    // The plan's q tiles are this kernel's: the decode instantiation (two consumer warpgroups) takes
+    // them where they are its own too, or where a request's rows fit in its one tile.
     using Decode = typename T::template WithDecodeRows<64>;
-    if (p.q_tokens == p.batch_size && p.group_size <= Decode::kBlockM) return launch_prefill<Decode>(p, stream);
+    const bool decode_tiles = T::kBlockM == Decode::kBlockM || p.group_size <= Decode::kBlockM;
+    if (p.q_tokens == p.batch_size && decode_tiles) return launch_prefill<Decode>(p, stream);
   }
   cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
