@@ -29,9 +29,14 @@ METADATA = "metadata.json"
 
 
 def fa3_cta_tile(spec: KernelSpec) -> int:
-    """The FA3 kernel's one tile: a consumer warpgroup per 64 rows, three at 16-bit head dim 64 and
-    fp8 up to head dim 128 (fa3/prefill.cuh, PrefillTraits::kConsumerWarpgroups), else two."""
-    three = spec.head_dim_vo <= 128 if spec.dtype_kv.is_fp8 else spec.head_dim_qk == spec.head_dim_vo == 64
+    """The FA3 kernel's one tile: a consumer warpgroup per 64 rows, three at 16-bit head dim 64, at
+    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (fa3/prefill.cuh,
+    PrefillTraits::kConsumerWarpgroups), else two."""
+    if spec.dtype_kv.is_fp8:
+        three = spec.head_dim_vo <= 128
+    else:
+        three = spec.head_dim_qk == spec.head_dim_vo == 64 or (
+            spec.head_dim_qk == spec.head_dim_vo == 128 and not spec.use_sliding_window and not spec.use_logits_soft_cap)
     return 192 if three else 128
 
 

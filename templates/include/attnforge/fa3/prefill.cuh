@@ -21,11 +21,12 @@
 //   in the plan's order (longest items first); a CTA runs job blockIdx.x, then takes the next
 //   untaken one from the plan's job counter until none is left (the counter is 0 again after each
 //   launch), 16-bit ragged kernels one job ahead (kClaimEarly). block = 128 threads per
-//   warpgroup: warpgroup 0 produces, the next 2 (16-bit hd 64, fp8 hd 128: 3) consume.
+//   warpgroup: warpgroup 0 produces, the next 2 (16-bit hd 64 and 128, fp8 hd 128: 3) consume.
 //   A job's kBlockM = 64 x consumers rows are packed (token, head-in-group) rows: row p -> token
 //   p / group, head p % group; consumer warpgroup i owns rows [64 i, 64 i + 64).
-//   Q: the producer loads the tile once the previous job's last Q K^T is done (q_empty): by TMA,
-//   a box of whole tokens' group heads per 128-byte column block, when the group divides the tile
+//   Q: the producer loads the tile into the job's Q buffer (16-bit kernels: two where they fit,
+//   alternating) once the last Q K^T of the job that held it before is done (q_empty): by TMA, a
+//   box of whole tokens' group heads per 128-byte column block, when the group divides the tile
 //   and q's strides allow, else by cp.async; then q_full. The producer thus runs into the next job
 //   while the consumers finish this one; each job's page-id verdict reaches the consumers through
 //   one of two item slots (item_done). K/V: for each kBlockN-token tile the producer waits for the
@@ -176,13 +177,16 @@ struct PrefillTraits {
   // bits suit weights in [0, 256]; the wgmma takes e4m3 x e5m2).
   using ElementP = std::conditional_t<kFp8, cutlass::float_e4m3_t, Element>;
 
-  // fp8 prefill up to hd 128 runs each consumer warpgroup's tiles in order (run_kv_tiles_in_order):
-  // none holds S, P and o for the wgmmas at once, so three warpgroups fit at 160 registers, and the
-  // others' GEMMs and softmaxes fill each one's waits. Same-run A/B against two overlapping
-  // warpgroups in pingpong (4 x 4096, 32 / 8 heads, e4m3): +11% non-causal, +5% causal (1 x 16384
-  // +10..+12%, paged +8..+10%). (16-bit hd 128 measured +2.5% / +0.5% so, in 128-key tiles; not
-  // landed: design notes, twenty-second session.)
-  static constexpr bool kInOrder = kFp8 && kHeadDimVO <= 128 && !kDecodeItems;
+  // fp8 prefill up to hd 128 and 16-bit hd 128 (no soft cap or window) run each consumer
+  // warpgroup's tiles in order (run_kv_tiles_in_order): none holds S, P and o for the wgmmas at
+  // once, so three warpgroups fit at 160 registers, and the others' GEMMs and softmaxes fill each
+  // one's waits. Same-run A/B against two overlapping warpgroups in pingpong (4 x 4096, 32 / 8
+  // heads): e4m3 +11% non-causal, +5% causal (1 x 16384 +10..+12%, paged +8..+10%); bf16, in two
+  // runs, +2..+2.5% / +0.5..+1%, paged +3% / +0.5..+3%, 16 x 1024 +4..+6% (its 176-key tiles
+  // become 128 keys in two stages). P through shared memory (stmatrix, an SS P.V wgmma) so that
+  // three fp8 warpgroups could overlap S and P.V like two lost 10% to this.
+  static constexpr bool kInOrder = kFp8 ? kHeadDimVO <= 128 && !kDecodeItems
+                                        : kHeadDimQK == 128 && kHeadDimVO == 128 && !kSoftCap && !kSlidingWindow;
   // Consumer warpgroups, each owning the 64 rows of one wgmma. hd 64 takes three: its GEMMs are
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
   static constexpr int kConsumerWarpgroups = kInOrder || (!kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64) ? 3 : 2;
@@ -199,17 +203,15 @@ struct PrefillTraits {
   // Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192, 128) head dims
   // (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens: the transposed V
   // tile's kv rows must fill a 128-byte line, and (256, 256) then fits two stages and the staging.
-  // Ragged 16-bit kernels take FA3's wider tiles, whose per-tile costs cover more keys: 176 tokens
-  // at hd 128 in two stages (208 KB; same-run A/B against 128 tokens in three stages: +1..+6%,
-  // causal included), 80 at hd 256 in two stages (224 KB; against 64: +3..+6%). Paged kernels
-  // keep 128 or 64, which every power-of-two page up to 128 divides (their boxes are whole pages;
-  // paged hd 256 in 80-key tiles measured no faster); soft cap and sliding window too (with their
-  // registers, 176-key scores spill: 592 bytes). kWideKvTile: the wider width, 0 where none applies.
+  // Ragged 16-bit hd 256 takes FA3's wider tile, whose per-tile costs cover more keys: 80 in two
+  // stages (224 KB; against 64: +3..+6%). hd 128 took 176 in two stages until it ran in order; in
+  // order 112 keys in three stages lost 1-8% to 128 in two, and 144 keys spill at 160 registers
+  // (ptxas then serializes the wgmmas: C7512). Paged kernels keep 128 or 64, which every
+  // power-of-two page up to 128 divides (their boxes are whole pages; paged hd 256 in 80-key tiles
+  // measured no faster); soft cap and sliding window too. kWideKvTile: the wider width, 0 where
+  // none applies.
   static constexpr int kHeadDims = kHeadDimQK + kHeadDimVO;
-  static constexpr int kWideKvTile = kFp8 || kPagedKV || kSoftCap || kSlidingWindow || kConsumerWarpgroups != 2 ? 0
-                                     : kHeadDims <= 256 ? 176
-                                     : kHeadDims > 320  ? 80
-                                                        : 0;
+  static constexpr int kWideKvTile = !kFp8 && !kPagedKV && !kSoftCap && !kSlidingWindow && kHeadDims > 320 ? 80 : 0;
   static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kFp8 || kHeadDims <= 320 ? 128 : 64;
   // Pingpong between the consumer warpgroups (scheduler_wait) except where a same-run A/B found the
   // warpgroups faster issuing when ready: 16-bit hd 256 in 64-key tiles (bf16 ragged +2..+5%
@@ -239,6 +241,15 @@ struct PrefillTraits {
       : kQBytes + 3 * kStageBytes + kStagingBytes + kTableBytes + 2048 <= 227 * 1024 ? 3
                                                                                       : 2;
   static_assert(!kFp8 || kVtAhead || kVStaging >= 2, "fa3 fp8: the next tile's V rows need a second staging buffer");
+  // A second Q buffer for 16-bit kernels where it fits beside the stages (hd 64, and hd 128 in
+  // order: 48 KB each, 227 KB in all paged): jobs alternate between them, so the producer loads the
+  // next job's Q as soon as it has issued this job's last tile, and a consumer warpgroup that
+  // finishes a job starts the next without waiting for the others' last Q K^T and Q's load.
+  // Same-run A/B, bf16 hd 128: 4 x 4096 +2% non-causal, +0.7% causal, paged +3.6% / +2.7%,
+  // 1 x 16384 +4% / +1%; hd 64 within noise; e4m3 hd 128 within noise or below (-1.5% at
+  // 16 x 1024), so fp8 keeps one.
+  static constexpr int kQBuffers =
+      !kFp8 && 2 * kQBytes + kStages * kStageBytes + kStagingBytes + kTableBytes + 2048 <= 227 * 1024 ? 2 : 1;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
@@ -319,7 +330,7 @@ struct PrefillTraits {
   static constexpr int kExchangeFloats = 4 * 8;
 
   struct SharedStorage {
-    alignas(1024) Element q[kBlockM * kHeadDimQK];  // swizzle atoms are 1024 bytes
+    alignas(1024) Element q[kQBuffers * kBlockM * kHeadDimQK];  // swizzle atoms are 1024 bytes
     alignas(1024) Element k[kStages * kBlockN * kHeadDimQK];
     alignas(1024) Element v[kStages * kBlockN * kHeadDimVO];
     alignas(1024) Element v_rows[kVStaging * kBlockN * kHeadDimVO];  // fp8: V as it lies in memory
@@ -340,7 +351,7 @@ struct PrefillTraits {
     // consumers through two slots, each held until the consumers have stored the job.
     JobSlot producer_jobs[2], jobs[2];
     uint64_t job_full[2], job_empty[2];
-    uint64_t q_full, q_empty;
+    uint64_t q_full[kQBuffers], q_empty[kQBuffers];
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
     uint64_t v_rows_full[kVStaging];
     uint64_t v_rows_empty[kDecodeItems ? kVStaging : 0];  // the staging buffer's tile is transposed
@@ -456,6 +467,21 @@ struct PipelineCount {
   __device__ __forceinline__ void advance(int num_tiles) { tiles += num_tiles; }
 };
 
+// Item `item`'s Q buffer (items with kv tiles alternate between T::kQBuffers), its first element,
+// and the phase of its barriers.
+template <typename T>
+__device__ __forceinline__ int q_buffer(int item) {
+  return item % T::kQBuffers;
+}
+template <typename T>
+__device__ __forceinline__ typename T::Element* q_tile(typename T::SharedStorage& smem, int item) {
+  return smem.q + q_buffer<T>(item) * T::kBlockM * T::kHeadDimQK;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t q_phase(int item) {
+  return uint32_t(item / T::kQBuffers) & 1;
+}
+
 // Byte offset of element `coord` in a GMMA smem layout: the linear offset, then the 128B swizzle
 // (which acts on byte addresses; the tiles sit 1024-byte aligned).
 template <typename Layout, typename Element, typename... Coord>
@@ -477,17 +503,19 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
 // producer thread's cp.async, zeros past the request.
 template <typename T>
 __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, const KernelArgs<T>& args,
-                                            const WorkTile& w, const common::FastDivmod& group, int kv_head, int tid) {
+                                            const WorkTile& w, const common::FastDivmod& group, int kv_head, int item,
+                                            int tid) {
   using DTypeQ = typename T::DTypeQ;
   const auto& p = args.p;
-  auto* base = reinterpret_cast<uint8_t*>(smem.q);
+  auto* base = reinterpret_cast<uint8_t*>(q_tile<T>(smem, item));
+  uint64_t* q_full = &smem.q_full[q_buffer<T>(item)];
   if (args.q_boxed) {
     if (tid != 0) return;
     const auto evict_first = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);  // read once
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, T::kQBytes);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, T::kQBytes);
 #pragma unroll
     for (int col = 0; col < T::kHeadDimQK; col += T::kLineElements) {
-      cute::SM90_TMA_LOAD_3D::copy(&args.q_rows, &smem.q_full, evict_first,
+      cute::SM90_TMA_LOAD_3D::copy(&args.q_rows, q_full, evict_first,
                                    base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(0, col), col,
                                    kv_head * p.group_size, w.qo_begin + w.first_token);
     }
@@ -506,7 +534,7 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
     common::cp_async_16(base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(row, cell * T::kCellElements),
                         src, valid);
   }
-  cp_async_arrive_noinc(&smem.q_full);
+  cp_async_arrive_noinc(q_full);
 }
 
 // A paged token's (page, row in page). A page id outside [0, num_pages) reads page 0 instead and
@@ -885,8 +913,9 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     return;
   }
 
-  Barrier::wait(&smem.q_empty, (count.items & 1) ^ 1);  // the previous item's last Q K^T is done
-  load_q_tile<T>(smem, args, w, group, kv_head, tid);
+  // The last Q K^T of the item that had this Q buffer is done.
+  Barrier::wait(&smem.q_empty[q_buffer<T>(count.items)], q_phase<T>(count.items) ^ 1);
+  load_q_tile<T>(smem, args, w, group, kv_head, count.items, tid);
   bool bad_page = false;
 
   const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
@@ -1365,8 +1394,8 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
     }
   };
   scheduler_open<T>(wg);
-  Barrier::wait(&smem.q_full, count.items & 1);
-  Barrier::arrive(&smem.q_empty);
+  Barrier::wait(&smem.q_full[q_buffer<T>(count.items)], q_phase<T>(count.items));
+  Barrier::arrive(&smem.q_empty[q_buffer<T>(count.items)]);
   transpose(0);
   Barrier::wait(&smem.k_full[count.stage(0)], count.phase(0));
   scheduler_wait<T>(wg);
@@ -1429,7 +1458,7 @@ __device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, co
   using Barrier = cutlass::arch::ClusterBarrier;
   float alpha[2];
   scheduler_open<T>(wg);  // warpgroup 0 issues first
-  Barrier::wait(&smem.q_full, count.items & 1);
+  Barrier::wait(&smem.q_full[q_buffer<T>(count.items)], q_phase<T>(count.items));
   wait_tile(&smem.k_full[count.stage(0)], count.phase(0));
   scheduler_wait<T>(wg);
   issue_s(count.stage(0));
@@ -1437,7 +1466,7 @@ __device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, co
   warpgroup_wait<0>();
   warpgroup_fence_operand(s_acc);
   Barrier::arrive(&smem.k_empty[count.stage(0)]);
-  if (num_tiles == 1) Barrier::arrive(&smem.q_empty);
+  if (num_tiles == 1) Barrier::arrive(&smem.q_empty[q_buffer<T>(count.items)]);
   softmax(0, alpha);  // o is still zero: no rescale
   to_p();
   if (num_tiles > 1) wait_tile(&smem.k_full[count.stage(1)], count.phase(1));
@@ -1452,7 +1481,7 @@ __device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, co
     warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
     warpgroup_fence_operand(s_acc);
     Barrier::arrive(&smem.k_empty[stage]);
-    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty);
+    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty[q_buffer<T>(count.items)]);
     softmax(n, alpha);
     // The next K tile's wait sits between the softmax and the P.V wait on purpose: ptxas keeps
     // a wgmma wait inside its basic block but hoists it to the block's top, where it would
@@ -1487,7 +1516,7 @@ __device__ __forceinline__ void run_kv_tiles_in_order(typename T::SharedStorage&
                                                       Softmax softmax, Rescale rescale, ToP to_p) {
   using Barrier = cutlass::arch::ClusterBarrier;
   float alpha[2];
-  Barrier::wait(&smem.q_full, count.items & 1);
+  Barrier::wait(&smem.q_full[q_buffer<T>(count.items)], q_phase<T>(count.items));
   for (int n = 0; n < num_tiles; ++n) {
     const int stage = warp_uniform(count.stage(n));
     wait_tile(&smem.k_full[stage], count.phase(n));
@@ -1495,7 +1524,7 @@ __device__ __forceinline__ void run_kv_tiles_in_order(typename T::SharedStorage&
     cute::warpgroup_wait<0>();
     cute::warpgroup_fence_operand(s_acc);
     Barrier::arrive(&smem.k_empty[stage]);
-    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty);
+    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty[q_buffer<T>(count.items)]);
     softmax(n, alpha);
     rescale(alpha);
     to_p();
@@ -1625,7 +1654,7 @@ __device__ __forceinline__ void consume_keys_along_m(typename T::SharedStorage& 
   // Shared operands' descriptors are the same for every thread: partitioned for thread 0, uniform.
   auto operands_kq = mma_kq.get_thread_slice(0);
   auto operands_vp = mma_vp.get_thread_slice(0);
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename T::SmemLayoutQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(q_tile<T>(smem, count.items)), typename T::SmemLayoutQ{});
   Tensor tSrK = operands_kq.partition_fragment_A(make_tensor(make_smem_ptr(smem.k), typename T::SmemLayoutK{}));
   Tensor tSrQ = operands_kq.partition_fragment_B(local_tile(sQ, Shape<_8, Int<T::kHeadDimQK>>{}, make_coord(0, 0)));
   Tensor tOrV = operands_vp.partition_fragment_A(make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{}));
@@ -1734,8 +1763,10 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
   typename T::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(ctid);
   auto thr_pv = mma_pv.get_thread_slice(ctid);
-  // Q's descriptors depend on the warpgroup alone: from a uniform first thread, they are uniform.
+  // Q's descriptors depend on the warpgroup and the job's Q buffer alone: from a uniform first
+  // thread and buffer, they are uniform.
   const int warpgroup_base = warp_uniform(ctid) / 128 * 128;
+  Element* const q_smem = q_tile<T>(smem, warp_uniform(count.items));
   Tensor sK = make_tensor(make_smem_ptr(smem.k), typename T::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{});
   Tensor tSrK = thr_qk.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
@@ -1762,7 +1793,7 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     // thread they took ordinary registers through the kv loop (two per 16 dims) and an R2UR per
     // wgmma, and made the hd 256 consumers spill.
     Tensor tSrQ = mma_qk.get_thread_slice(warpgroup_base)
-                      .partition_fragment_A(make_tensor(make_smem_ptr(smem.q), typename T::SmemLayoutQ{}));
+                      .partition_fragment_A(make_tensor(make_smem_ptr(q_smem), typename T::SmemLayoutQ{}));
     static_assert(decltype(size<1>(tSrQ))::value == 1, "fa3: one 64-row wgmma per consumer warpgroup");
     warpgroup_fence_operand(s_acc);
     warpgroup_arrive();
@@ -1919,8 +1950,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
     }
     if (args.q_boxed) cute::prefetch_tma_descriptor(&args.q_rows);
     if constexpr (T::kVtAhead) cute::prefetch_tma_descriptor(&args.vt_blocks);
-    Barrier::init(&smem.q_full, args.q_boxed ? 1 : T::kProducerThreads);  // thread 0's, or every gathering thread's
-    Barrier::init(&smem.q_empty, T::kConsumerThreads);
+#pragma unroll
+    for (int b = 0; b < T::kQBuffers; ++b) {
+      Barrier::init(&smem.q_full[b], args.q_boxed ? 1 : T::kProducerThreads);  // thread 0's, or every gathering thread's
+      Barrier::init(&smem.q_empty[b], T::kConsumerThreads);
+    }
 #pragma unroll
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&smem.k_full[s], 1);  // a TMA thread's or thread 0's for a gathered tile
