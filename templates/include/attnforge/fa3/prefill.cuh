@@ -467,19 +467,20 @@ struct PipelineCount {
   __device__ __forceinline__ void advance(int num_tiles) { tiles += num_tiles; }
 };
 
-// Item `item`'s Q buffer (items with kv tiles alternate between T::kQBuffers), its first element,
-// and the phase of its barriers.
+// Item `item`'s Q buffer (items with kv tiles alternate between T::kQBuffers): its tile, its
+// barriers and their phase for the item.
 template <typename T>
-__device__ __forceinline__ int q_buffer(int item) {
-  return item % T::kQBuffers;
-}
+struct QBuffer {
+  typename T::Element* tile;
+  uint64_t* full;
+  uint64_t* empty;
+  uint32_t phase;
+};
 template <typename T>
-__device__ __forceinline__ typename T::Element* q_tile(typename T::SharedStorage& smem, int item) {
-  return smem.q + q_buffer<T>(item) * T::kBlockM * T::kHeadDimQK;
-}
-template <typename T>
-__device__ __forceinline__ uint32_t q_phase(int item) {
-  return uint32_t(item / T::kQBuffers) & 1;
+__device__ __forceinline__ QBuffer<T> q_buffer(typename T::SharedStorage& smem, int item) {
+  const int b = item % T::kQBuffers;
+  return {smem.q + b * T::kBlockM * T::kHeadDimQK, &smem.q_full[b], &smem.q_empty[b],
+          uint32_t(item / T::kQBuffers) & 1};
 }
 
 // Byte offset of element `coord` in a GMMA smem layout: the linear offset, then the 128B swizzle
@@ -503,19 +504,18 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
 // producer thread's cp.async, zeros past the request.
 template <typename T>
 __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, const KernelArgs<T>& args,
-                                            const WorkTile& w, const common::FastDivmod& group, int kv_head, int item,
-                                            int tid) {
+                                            const WorkTile& w, const common::FastDivmod& group, int kv_head,
+                                            const QBuffer<T>& q, int tid) {
   using DTypeQ = typename T::DTypeQ;
   const auto& p = args.p;
-  auto* base = reinterpret_cast<uint8_t*>(q_tile<T>(smem, item));
-  uint64_t* q_full = &smem.q_full[q_buffer<T>(item)];
+  auto* base = reinterpret_cast<uint8_t*>(q.tile);
   if (args.q_boxed) {
     if (tid != 0) return;
     const auto evict_first = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);  // read once
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, T::kQBytes);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q.full, T::kQBytes);
 #pragma unroll
     for (int col = 0; col < T::kHeadDimQK; col += T::kLineElements) {
-      cute::SM90_TMA_LOAD_3D::copy(&args.q_rows, q_full, evict_first,
+      cute::SM90_TMA_LOAD_3D::copy(&args.q_rows, q.full, evict_first,
                                    base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(0, col), col,
                                    kv_head * p.group_size, w.qo_begin + w.first_token);
     }
@@ -534,7 +534,7 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
     common::cp_async_16(base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(row, cell * T::kCellElements),
                         src, valid);
   }
-  cp_async_arrive_noinc(q_full);
+  cp_async_arrive_noinc(q.full);
 }
 
 // A paged token's (page, row in page). A page id outside [0, num_pages) reads page 0 instead and
@@ -913,9 +913,9 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     return;
   }
 
-  // The last Q K^T of the item that had this Q buffer is done.
-  Barrier::wait(&smem.q_empty[q_buffer<T>(count.items)], q_phase<T>(count.items) ^ 1);
-  load_q_tile<T>(smem, args, w, group, kv_head, count.items, tid);
+  const QBuffer<T> q = q_buffer<T>(smem, count.items);
+  Barrier::wait(q.empty, q.phase ^ 1);  // the last Q K^T of the item that had the buffer before is done
+  load_q_tile<T>(smem, args, w, group, kv_head, q, tid);
   bool bad_page = false;
 
   const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
@@ -1394,8 +1394,9 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
     }
   };
   scheduler_open<T>(wg);
-  Barrier::wait(&smem.q_full[q_buffer<T>(count.items)], q_phase<T>(count.items));
-  Barrier::arrive(&smem.q_empty[q_buffer<T>(count.items)]);
+  const QBuffer<T> q = q_buffer<T>(smem, count.items);
+  Barrier::wait(q.full, q.phase);
+  Barrier::arrive(q.empty);
   transpose(0);
   Barrier::wait(&smem.k_full[count.stage(0)], count.phase(0));
   scheduler_wait<T>(wg);
@@ -1458,7 +1459,8 @@ __device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, co
   using Barrier = cutlass::arch::ClusterBarrier;
   float alpha[2];
   scheduler_open<T>(wg);  // warpgroup 0 issues first
-  Barrier::wait(&smem.q_full[q_buffer<T>(count.items)], q_phase<T>(count.items));
+  const QBuffer<T> q = q_buffer<T>(smem, count.items);
+  Barrier::wait(q.full, q.phase);
   wait_tile(&smem.k_full[count.stage(0)], count.phase(0));
   scheduler_wait<T>(wg);
   issue_s(count.stage(0));
@@ -1466,7 +1468,7 @@ __device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, co
   warpgroup_wait<0>();
   warpgroup_fence_operand(s_acc);
   Barrier::arrive(&smem.k_empty[count.stage(0)]);
-  if (num_tiles == 1) Barrier::arrive(&smem.q_empty[q_buffer<T>(count.items)]);
+  if (num_tiles == 1) Barrier::arrive(q.empty);
   softmax(0, alpha);  // o is still zero: no rescale
   to_p();
   if (num_tiles > 1) wait_tile(&smem.k_full[count.stage(1)], count.phase(1));
@@ -1481,7 +1483,7 @@ __device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, co
     warpgroup_wait<1>();  // S_n is ready; P_{n-1} V_{n-1} may still run
     warpgroup_fence_operand(s_acc);
     Barrier::arrive(&smem.k_empty[stage]);
-    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty[q_buffer<T>(count.items)]);
+    if (n + 1 == num_tiles) Barrier::arrive(q.empty);
     softmax(n, alpha);
     // The next K tile's wait sits between the softmax and the P.V wait on purpose: ptxas keeps
     // a wgmma wait inside its basic block but hoists it to the block's top, where it would
@@ -1516,7 +1518,8 @@ __device__ __forceinline__ void run_kv_tiles_in_order(typename T::SharedStorage&
                                                       Softmax softmax, Rescale rescale, ToP to_p) {
   using Barrier = cutlass::arch::ClusterBarrier;
   float alpha[2];
-  Barrier::wait(&smem.q_full[q_buffer<T>(count.items)], q_phase<T>(count.items));
+  const QBuffer<T> q = q_buffer<T>(smem, count.items);
+  Barrier::wait(q.full, q.phase);
   for (int n = 0; n < num_tiles; ++n) {
     const int stage = warp_uniform(count.stage(n));
     wait_tile(&smem.k_full[stage], count.phase(n));
@@ -1524,7 +1527,7 @@ __device__ __forceinline__ void run_kv_tiles_in_order(typename T::SharedStorage&
     cute::warpgroup_wait<0>();
     cute::warpgroup_fence_operand(s_acc);
     Barrier::arrive(&smem.k_empty[stage]);
-    if (n + 1 == num_tiles) Barrier::arrive(&smem.q_empty[q_buffer<T>(count.items)]);
+    if (n + 1 == num_tiles) Barrier::arrive(q.empty);
     softmax(n, alpha);
     rescale(alpha);
     to_p();
@@ -1654,7 +1657,7 @@ __device__ __forceinline__ void consume_keys_along_m(typename T::SharedStorage& 
   // Shared operands' descriptors are the same for every thread: partitioned for thread 0, uniform.
   auto operands_kq = mma_kq.get_thread_slice(0);
   auto operands_vp = mma_vp.get_thread_slice(0);
-  Tensor sQ = make_tensor(make_smem_ptr(q_tile<T>(smem, count.items)), typename T::SmemLayoutQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(q_buffer<T>(smem, count.items).tile), typename T::SmemLayoutQ{});
   Tensor tSrK = operands_kq.partition_fragment_A(make_tensor(make_smem_ptr(smem.k), typename T::SmemLayoutK{}));
   Tensor tSrQ = operands_kq.partition_fragment_B(local_tile(sQ, Shape<_8, Int<T::kHeadDimQK>>{}, make_coord(0, 0)));
   Tensor tOrV = operands_vp.partition_fragment_A(make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{}));
@@ -1766,7 +1769,7 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
   // Q's descriptors depend on the warpgroup and the job's Q buffer alone: from a uniform first
   // thread and buffer, they are uniform.
   const int warpgroup_base = warp_uniform(ctid) / 128 * 128;
-  Element* const q_smem = q_tile<T>(smem, warp_uniform(count.items));
+  Element* const q_smem = q_buffer<T>(smem, warp_uniform(count.items)).tile;
   Tensor sK = make_tensor(make_smem_ptr(smem.k), typename T::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{});
   Tensor tSrK = thr_qk.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
