@@ -191,6 +191,12 @@ struct PrefillTraits {
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
   static constexpr int kConsumerWarpgroups = kInOrder || (!kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64) ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
+  // The 16-bit in-order loop issues P.V in two halves of the tile's keys and computes the second
+  // half's weights while the first half's wgmmas run. Same-run A/B, bf16 hd 128, 4 x 4096:
+  // +4.5% non-causal, +2.5% causal, paged +3.6% / +2.9%, 1 x 16384 +4.4% / +2.7%, 16 x 1024
+  // +2.8% / +0.7%; four quarters +1.5..+3.5%. e4m3 within noise either way (-1.3..+3.4%): its
+  // four P.V wgmmas are short against the weights' exp2s.
+  static constexpr int kPVParts = kInOrder && !kFp8 ? 2 : 1;
   // Whether the kernel has decode instantiations (WithDecodeRows) for launch_prefill to pick; the
   // keys along M up to hd 128 (at hd 256 the two P^T tiles do not fit beside two stages).
   static constexpr bool kHasDecodeItems = kFp8 && kPagedKV;
@@ -227,19 +233,22 @@ struct PrefillTraits {
   static constexpr int kTileBytesV = kBlockN * kHeadDimVO * kElementBytes;
   static constexpr int kStageBytes = kTileBytesK + kTileBytesV;
   static constexpr int kTableBytes = kPagedKV ? kBlockN * 8 : 0;
+  // Whether tiles of `bytes` fit shared memory beside the page table, the barriers and the slack
+  // for aligning the base.
+  static constexpr bool fits_smem(int bytes) { return bytes + kTableBytes + 2048 <= 227 * 1024; }
   // FP8 V tiles come by TMA as rows into staging buffers, which the producer transposes into the
   // stage (transpose_v_tile) while the next tiles' rows land in the others: four where they fit
   // (hd 128: prefill requests rows up to three tiles ahead, and in decode items warpgroup 1's
   // transposes may trail the producer by as much), else two.
   static constexpr int kVStaging =
-      !kFp8 || kVtAhead ? 0 : (kQBytes + 3 * kStageBytes + 4 * kTileBytesV + kTableBytes + 2048 <= 227 * 1024 ? 4 : 2);
+      !kFp8 || kVtAhead ? 0 : (fits_smem(kQBytes + 3 * kStageBytes + 4 * kTileBytesV) ? 4 : 2);
   static constexpr int kStagingBytes = kVStaging * kTileBytesV;
   // Four where V comes transposed (hd 128: no staging buffers; same-run A/B against three, e4m3
   // 4 x 4096 non-causal +1..+2%, ragged and paged, 16 x 1024 +1.5%, causal within noise).
   static constexpr int kStages =
-      kVtAhead && kQBytes + 4 * kStageBytes + kTableBytes + 2048 <= 227 * 1024 ? 4
-      : kQBytes + 3 * kStageBytes + kStagingBytes + kTableBytes + 2048 <= 227 * 1024 ? 3
-                                                                                      : 2;
+      kVtAhead && fits_smem(kQBytes + 4 * kStageBytes) ? 4
+      : fits_smem(kQBytes + 3 * kStageBytes + kStagingBytes) ? 3
+                                                             : 2;
   static_assert(!kFp8 || kVtAhead || kVStaging >= 2, "fa3 fp8: the next tile's V rows need a second staging buffer");
   // A second Q buffer for 16-bit kernels where it fits beside the stages (hd 64, and hd 128 in
   // order: 48 KB each, 227 KB in all paged): jobs alternate between them, so the producer loads the
@@ -249,7 +258,7 @@ struct PrefillTraits {
   // 1 x 16384 +4% / +1%; hd 64 within noise; e4m3 hd 128 within noise or below (-1.5% at
   // 16 x 1024), so fp8 keeps one.
   static constexpr int kQBuffers =
-      !kFp8 && 2 * kQBytes + kStages * kStageBytes + kStagingBytes + kTableBytes + 2048 <= 227 * 1024 ? 2 : 1;
+      !kFp8 && fits_smem(2 * kQBytes + kStages * kStageBytes + kStagingBytes) ? 2 : 1;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
@@ -306,7 +315,7 @@ struct PrefillTraits {
   using FragmentPShape = std::conditional_t<
       kFp8, cute::Shape<cute::Shape<cute::_4, cute::_2, cute::_2>, cute::_1, cute::Int<kBlockN / 32>>,
       cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::Int<kBlockN / 16>>>;
-  // exp2 offset of P and how far (log2) a row's running max may trail its true max (online_softmax):
+  // exp2 offset of P and how far (log2) a row's running max may trail its true max (move_row_max):
   // e4m3 P reaches 2^(6 + 2.8) < 448, its largest finite value, a 16-bit P 2^8. Against offset 8 and
   // lag 0.8 (same-run A/B, e4m3 hd 128): o is rescaled on fewer tiles, 4 x 4096 causal +3.5%, 16 x 1024
   // +1.5..+3%, non-causal 4 x 4096 and 1 x 16384 +0..+1%; o's relative L2 error 2.54e-2 -> 2.62e-2.
@@ -1089,22 +1098,20 @@ __device__ __forceinline__ void row_maxima(const TensorS& s, const bool (&live)[
 }
 
 // Online softmax over one tile of scores (rows x the thread's keys), in place, given the rows'
-// maxima over the tile: scores become 2^(s*scale - m).
+// maxima over the tile: scores become 2^(s*scale - m), in two steps (move_row_max, then
+// exponentiate_scores over the tile's columns or a part of them at a time).
 // m is kept in the base-2 scaled domain; d is this thread's partial sum until the final reduce.
 // Returns in `alpha` the factor the rows' o must be multiplied by (the caller does it once the
-// P.V wgmma still reading o has finished).
+// P.V wgmma still reading o has finished), and in `neg_m` each row's exponent shift.
 // `offset` (log2) scales the weights (and so d) by 2^offset; o / d is unchanged.
 // m only moves when a tile's max exceeds it by more than `max_lag`: below that the weights stay
 // under 2^(offset + max_lag), which P's type holds, and alpha stays exactly 1, so o is rescaled
 // only on the few tiles that raise a row's max that far.
 // A row that is not `live` (its warp's rows all lie past the item's) is left as it is: its P only
 // reaches o rows that are never stored.
-template <typename TensorS>
-__device__ __forceinline__ void softmax_rows(TensorS& s, const float (&row_max)[2], float (&m)[2], float (&d)[2],
+__device__ __forceinline__ void move_row_max(const float (&row_max)[2], float (&m)[2], float (&d)[2],
                                              const float (&scale)[2], float offset, float max_lag,
-                                             const bool (&live)[2], float (&alpha)[2]) {
-  using namespace cute;
-  static_assert(decltype(size<0>(s))::value == 2, "fa3: two rows per thread");
+                                             const bool (&live)[2], float (&alpha)[2], float (&neg_m)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     alpha[r] = 1.f;
@@ -1117,22 +1124,33 @@ __device__ __forceinline__ void softmax_rows(TensorS& s, const float (&row_max)[
     m[r] = m_new;
     d[r] *= alpha[r];
     // offset 0 (16-bit) must stay -m_safe: 0 - m is no FNEG (signed zeros), and costs an FADD per row.
-    const float neg_m = offset != 0.f ? offset - m_safe : -m_safe;
+    neg_m[r] = offset != 0.f ? offset - m_safe : -m_safe;
+  }
+}
+
+// The scores of the tile's columns [kBegin, kEnd) as weights 2^(s*scale + neg_m), added to d.
+template <int kBegin, int kEnd, typename TensorS>
+__device__ __forceinline__ void exponentiate_scores(TensorS& s, const float (&scale)[2], const float (&neg_m)[2],
+                                                    const bool (&live)[2], float (&d)[2]) {
+  static_assert(decltype(cute::size<0>(s))::value == 2, "fa3: two rows per thread");
 #pragma unroll
-    for (int c = 0; c < size<1>(s); ++c) {
-      s(r, c) = common::fast_exp2(fmaf(s(r, c), scale[r], neg_m));
+  for (int r = 0; r < 2; ++r) {
+    if (!live[r]) continue;
+#pragma unroll
+    for (int c = kBegin; c < kEnd; ++c) {
+      s(r, c) = common::fast_exp2(fmaf(s(r, c), scale[r], neg_m[r]));
       d[r] += s(r, c);
     }
   }
 }
 
-// softmax_rows over a tile in the rowcol view, whose rows' maxima lie in the lane quads.
 template <typename TensorS>
-__device__ __forceinline__ void online_softmax(TensorS& s, float (&m)[2], float (&d)[2], const float (&scale)[2],
-                                               float offset, float max_lag, const bool (&live)[2], float (&alpha)[2]) {
-  float row_max[2];
-  row_maxima(s, live, row_max);
-  softmax_rows(s, row_max, m, d, scale, offset, max_lag, live, alpha);
+__device__ __forceinline__ void softmax_rows(TensorS& s, const float (&row_max)[2], float (&m)[2], float (&d)[2],
+                                             const float (&scale)[2], float offset, float max_lag,
+                                             const bool (&live)[2], float (&alpha)[2]) {
+  float neg_m[2];
+  move_row_max(row_max, m, d, scale, offset, max_lag, live, alpha, neg_m);
+  exponentiate_scores<0, decltype(cute::size<1>(s))::value>(s, scale, neg_m, live, d);
 }
 
 template <typename TensorO>
@@ -1148,10 +1166,15 @@ __device__ __forceinline__ void rescale_rows(TensorO& o, const float (&alpha)[2]
 // pairs of columns, row halves, then 8-column blocks. So P is S converted in place, two at a time.
 // FP8 packs four per register, row r's two column pairs of two 8-column blocks, then row r + 8's
 // (S values 0 1 4 5 | 2 3 6 7 of each 8): the keys p_key_of_slot gives V's rows.
-template <typename T, typename TensorS, typename TensorP>
+// Part kPart of kParts converts that share of the tile's keys alone (P.V k-blocks kPart K / kParts
+// on; S's columns alike, in the rowcol view).
+template <typename T, int kPart = 0, int kParts = 1, typename TensorS, typename TensorP>
 __device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag, const bool (&live)[2]) {
   static_assert(decltype(cute::size(p_frag))::value == decltype(cute::size(s_acc))::value, "fa3: P and S fragments differ");
   auto words = cute::recast<uint32_t>(p_frag);
+  constexpr int kWords = decltype(cute::size(words))::value;
+  static_assert(kWords % (2 * kParts) == 0, "fa3: P's parts split its words evenly, in row pairs");
+  constexpr int kBegin = kPart * kWords / kParts, kEnd = kBegin + kWords / kParts;
   if constexpr (T::kFp8) {
     auto pack4 = [](float a, float b, float c, float d) {
       const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
@@ -1162,14 +1185,14 @@ __device__ __forceinline__ void convert_p(const TensorS& s_acc, TensorP& p_frag,
     for (int r = 0; r < 2; ++r) {  // row r's words are the even ones, row r + 8's the odd ones
       if (!live[r]) continue;
 #pragma unroll
-      for (int i = r; i < cute::size(words); i += 2) {
+      for (int i = kBegin + r; i < kEnd; i += 2) {
         const int s = 4 * (i - r) + 2 * r;
         words(i) = pack4(s_acc(s), s_acc(s + 1), s_acc(s + 4), s_acc(s + 5));
       }
     }
   } else {  // no 16-bit kernel has decode items: every row is live
 #pragma unroll
-    for (int i = 0; i < cute::size(words); ++i) words(i) = common::pack2<typename T::DTypeKV>(s_acc(2 * i), s_acc(2 * i + 1));
+    for (int i = kBegin; i < kEnd; ++i) words(i) = common::pack2<typename T::DTypeKV>(s_acc(2 * i), s_acc(2 * i + 1));
   }
 }
 
@@ -1506,16 +1529,18 @@ __device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, co
   Barrier::arrive(&smem.v_empty[last]);
 }
 
-// A computing consumer warpgroup's kv loop in order (T::kInOrder): tile n's S, its softmax, o's
-// rescale, then P.V, waited for before S_{n+1} is issued. The warpgroup never holds S, P and o for
-// the wgmmas at once, so three fit beside each other, and the other warpgroups' GEMMs and softmaxes
-// fill each one's waits.
-template <typename T, typename TensorS, typename TensorO, typename IssueS, typename IssueO, typename Softmax,
+// A computing consumer warpgroup's kv loop in order (T::kInOrder): tile n's S, its scores weighed
+// (weigh(n, alpha): scaled, masked, the rows' max moved), o's rescale, then P.V in T::kPVParts parts
+// of the tile's keys, waited for before S_{n+1} is issued: part k's weights (to_p(k)) are
+// computed while part k - 1's wgmmas run (issue_o(stage, k)). The warpgroup never holds S, P and o
+// for the wgmmas at once, so three fit beside each other, and the other warpgroups' GEMMs and
+// softmaxes fill each one's waits.
+template <typename T, typename TensorS, typename TensorO, typename IssueS, typename IssueO, typename Weigh,
           typename Rescale, typename ToP>
 __device__ __forceinline__ void run_kv_tiles_in_order(typename T::SharedStorage& smem,
                                                       const PipelineCount<T::kStages>& count, int num_tiles,
                                                       TensorS& s_acc, TensorO& o_acc, IssueS issue_s, IssueO issue_o,
-                                                      Softmax softmax, Rescale rescale, ToP to_p) {
+                                                      Weigh weigh, Rescale rescale, ToP to_p) {
   using Barrier = cutlass::arch::ClusterBarrier;
   float alpha[2];
   const QBuffer<T> q = q_buffer<T>(smem, count.items);
@@ -1528,11 +1553,13 @@ __device__ __forceinline__ void run_kv_tiles_in_order(typename T::SharedStorage&
     cute::warpgroup_fence_operand(s_acc);
     Barrier::arrive(&smem.k_empty[stage]);
     if (n + 1 == num_tiles) Barrier::arrive(q.empty);
-    softmax(n, alpha);
+    weigh(n, alpha);
     rescale(alpha);
-    to_p();
-    wait_tile(&smem.v_full[stage], count.phase(n));
-    issue_o(stage, n);
+    cute::for_each(cute::make_seq<T::kPVParts>{}, [&](auto part) {
+      to_p(part);
+      if constexpr (decltype(part)::value == 0) wait_tile(&smem.v_full[stage], count.phase(n));
+      issue_o(stage, part);
+    });
     cute::warpgroup_wait<0>();
     cute::warpgroup_fence_operand(o_acc);
     Barrier::arrive(&smem.v_empty[stage]);
@@ -1808,11 +1835,14 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     }
     warpgroup_commit_batch();
   };
-  auto issue_pv = [&](auto& p_frag, int stage) {
+  // P.V over part `part` of the tile's keys (of T::kPVParts), one wgmma batch.
+  auto issue_pv = [&](auto& p_frag, int stage, auto part) {
+    constexpr int kBlocks = decltype(size<2>(p_frag))::value / T::kPVParts;
+    constexpr int kBegin = decltype(part)::value * kBlocks;
     warpgroup_fence_operand(tOrO);
     warpgroup_arrive();
 #pragma unroll
-    for (int kb = 0; kb < size<2>(p_frag); ++kb) gemm(mma_pv, p_frag(_, _, kb), tOrV(_, _, kb, stage), tOrO);
+    for (int kb = kBegin; kb < kBegin + kBlocks; ++kb) gemm(mma_pv, p_frag(_, _, kb), tOrV(_, _, kb, stage), tOrO);
     warpgroup_commit_batch();
   };
   // Which of the thread's two rows (r: rows 8 apart) some stored row can be among, alike in the
@@ -1824,14 +1854,16 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     const int warp_first_row = warp_uniform(ctid) / 32 * 16;  // the warp's 16 rows of the CTA's tile
     for (int r = 0; r < 2; ++r) live[r] = warp_first_row + 8 * r < w.rows;
   }
-  // Scale, mask and softmax tile n's scores in place; returns o's rescale factors in alpha.
-  auto softmax_tile = [&](auto& s_acc, int n, float (&alpha)[2]) {
+  // Tile n's scores scaled and masked in place and the rows' max moved: o's rescale factors in
+  // alpha, and in scale and neg_m what exponentiate_scores makes the scores' weights with.
+  auto weigh_tile = [&](auto& s_acc, int n, float (&alpha)[2], float (&scale)[2], float (&neg_m)[2]) {
     const int first = tile_first<T>(w, n), from = tile_from<T>(w, n);
     Tensor s = make_tensor(s_acc.data(), rowcol(s_acc.layout()));
-    float scale[2];
     transform_scores<T>(p, mask, mask.tile_needs_mask(first, from), first, from, q_pos, score_scale, s,
                         [&](int r, int c) { return get<1>(s_coord(r, c)); }, scale);
-    online_softmax(s, m, d, scale, T::kPExponentOffset, T::kMaxLag, live, alpha);
+    float row_max[2];
+    row_maxima(s, live, row_max);
+    move_row_max(row_max, m, d, scale, T::kPExponentOffset, T::kMaxLag, live, alpha, neg_m);
   };
 
   const int num_tiles = num_kv_tiles<T>(w);
@@ -1848,18 +1880,37 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     Tensor tOrP = make_tensor<typename T::ElementP>(typename T::FragmentPShape{});
     if constexpr (T::kDecodeItems) clear(tOrP);  // rows never live keep these zeros
+    Tensor s = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+    float scale[2], neg_m[2];  // the current tile's, from weigh_tile to exponentiate_scores
+    // Part `part` of the tile's keys (of T::kPVParts): their scores to weights, the weights to P.
+    auto to_weights = [&](auto part) {
+      constexpr int kCols = decltype(size<1>(s))::value / T::kPVParts, kBegin = decltype(part)::value * kCols;
+      exponentiate_scores<kBegin, kBegin + kCols>(s, scale, neg_m, live, d);
+    };
+    auto to_p = [&](auto part) { convert_p<T, decltype(part)::value, T::kPVParts>(tSrS, tOrP, live); };
     auto issue_s = [&](int stage) { issue_qk(tSrS, stage); };
-    auto issue_o = [&](int stage, int) { issue_pv(tOrP, stage); };
-    auto softmax = [&](int n, float (&alpha)[2]) { softmax_tile(tSrS, n, alpha); };
+    auto weigh = [&](int n, float (&alpha)[2]) { weigh_tile(tSrS, n, alpha, scale, neg_m); };
     // A warp's 16 rows rarely all keep their max in the first tiles, and almost always after.
     auto rescale = [&](const float (&alpha)[2]) {
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_rows(o, alpha);
     };
-    auto to_p = [&] { convert_p<T>(tSrS, tOrP, live); };
     if constexpr (T::kInOrder) {
-      run_kv_tiles_in_order<T>(smem, count, num_tiles, tSrS, tOrO, issue_s, issue_o, softmax, rescale, to_p);
-    } else {
-      run_kv_tiles<T>(smem, count, num_tiles, wg, tSrS, tOrO, issue_s, issue_o, softmax, rescale, to_p);
+      run_kv_tiles_in_order<T>(
+          smem, count, num_tiles, tSrS, tOrO, issue_s, [&](int stage, auto part) { issue_pv(tOrP, stage, part); },
+          weigh, rescale, [&](auto part) {
+            to_weights(part);
+            to_p(part);
+          });
+    } else {  // P_n replaces P_{n-1} only once the P.V wgmma reading it has finished
+      static_assert(T::kPVParts == 1, "fa3: the overlapping kv loop converts P whole");
+      constexpr cute::Int<0> kWhole{};
+      run_kv_tiles<T>(
+          smem, count, num_tiles, wg, tSrS, tOrO, issue_s, [&](int stage, int) { issue_pv(tOrP, stage, kWhole); },
+          [&](int n, float (&alpha)[2]) {
+            weigh(n, alpha);
+            to_weights(kWhole);
+          },
+          rescale, [&] { to_p(kWhole); });
     }
   }
 
