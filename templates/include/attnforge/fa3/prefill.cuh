@@ -1854,17 +1854,6 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     const int warp_first_row = warp_uniform(ctid) / 32 * 16;  // the warp's 16 rows of the CTA's tile
     for (int r = 0; r < 2; ++r) live[r] = warp_first_row + 8 * r < w.rows;
   }
-  // Tile n's scores scaled and masked in place and the rows' max moved: o's rescale factors in
-  // alpha, and in scale and neg_m what exponentiate_scores makes the scores' weights with.
-  auto weigh_tile = [&](auto& s_acc, int n, float (&alpha)[2], float (&scale)[2], float (&neg_m)[2]) {
-    const int first = tile_first<T>(w, n), from = tile_from<T>(w, n);
-    Tensor s = make_tensor(s_acc.data(), rowcol(s_acc.layout()));
-    transform_scores<T>(p, mask, mask.tile_needs_mask(first, from), first, from, q_pos, score_scale, s,
-                        [&](int r, int c) { return get<1>(s_coord(r, c)); }, scale);
-    float row_max[2];
-    row_maxima(s, live, row_max);
-    move_row_max(row_max, m, d, scale, T::kPExponentOffset, T::kMaxLag, live, alpha, neg_m);
-  };
 
   const int num_tiles = num_kv_tiles<T>(w);
   if (num_tiles == 0) {  // the producer skipped the item: nothing to wait for
@@ -1881,7 +1870,17 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     Tensor tOrP = make_tensor<typename T::ElementP>(typename T::FragmentPShape{});
     if constexpr (T::kDecodeItems) clear(tOrP);  // rows never live keep these zeros
     Tensor s = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
-    float scale[2], neg_m[2];  // the current tile's, from weigh_tile to exponentiate_scores
+    float scale[2], neg_m[2];  // the current tile's, from weigh to exponentiate_scores
+    // Tile n's scores scaled and masked in place and the rows' max moved: o's rescale factors in
+    // alpha, and in scale and neg_m what exponentiate_scores makes the scores' weights with.
+    auto weigh = [&](int n, float (&alpha)[2]) {
+      const int first = tile_first<T>(w, n), from = tile_from<T>(w, n);
+      transform_scores<T>(p, mask, mask.tile_needs_mask(first, from), first, from, q_pos, score_scale, s,
+                          [&](int r, int c) { return get<1>(s_coord(r, c)); }, scale);
+      float row_max[2];
+      row_maxima(s, live, row_max);
+      move_row_max(row_max, m, d, scale, T::kPExponentOffset, T::kMaxLag, live, alpha, neg_m);
+    };
     // Part `part` of the tile's keys (of T::kPVParts): their scores to weights, the weights to P.
     auto to_weights = [&](auto part) {
       constexpr int kCols = decltype(size<1>(s))::value / T::kPVParts, kBegin = decltype(part)::value * kCols;
@@ -1889,7 +1888,6 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     };
     auto to_p = [&](auto part) { convert_p<T, decltype(part)::value, T::kPVParts>(tSrS, tOrP, live); };
     auto issue_s = [&](int stage) { issue_qk(tSrS, stage); };
-    auto weigh = [&](int n, float (&alpha)[2]) { weigh_tile(tSrS, n, alpha, scale, neg_m); };
     // A warp's 16 rows rarely all keep their max in the first tiles, and almost always after.
     auto rescale = [&](const float (&alpha)[2]) {
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_rows(o, alpha);
