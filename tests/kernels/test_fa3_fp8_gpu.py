@@ -163,8 +163,9 @@ def test_fa3_fp8_v_transposed_ahead_or_not_matches_dequantized_reference(head_di
 def test_fa3_fp8_v_transposed_ahead_of_fewer_keys_than_a_tile_matches_dequantized_reference(layout, capsys,
                                                                                               monkeypatch):
     """Requests of two q tiles each (V transposed ahead) over fewer keys than one tile in all: the
-    ragged K map's box is then shorter than a tile, and K is gathered. 256 and 224 packed rows are two
-    tiles of 128 rows (two warpgroups) and of 192 (three)."""
+    ragged K map's box is then shorter than a tile, K is gathered, and the launch takes the kernel
+    that transposes V itself (paged: pages gathered into the V-transposed-ahead kernel). 256 and 224
+    packed rows are two tiles of 128 rows (two warpgroups) and of 192 (three)."""
     planned = planned_v_blocks(monkeypatch)
     check_against_reference(128, 0, LAYOUTS[layout], capsys, lens=([64, 56], [50, 30]))
     assert len(planned) == 1 and planned[0] is not None

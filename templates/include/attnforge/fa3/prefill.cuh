@@ -225,6 +225,13 @@ struct PrefillTraits {
   // +2..+4%). hd 128 loses 4-6% without it; fp8 and (192, 128) are within noise either way.
   // In-order kernels issue when ready: a ring of three (turns at Q K^T) lost 5-9% at e4m3 hd 128.
   static constexpr bool kPingpong = (kFp8 && !kInOrder) || (kConsumerWarpgroups == 2 && kBlockN > 64);
+  // fp8 in-order warpgroups start each job one after another (stagger_wait): three that start
+  // together queue their first wgmmas on the tensor pipe at once and their softmaxes then meet;
+  // started apart, each one's GEMMs run more beside the others' softmaxes. Same-run A/Bs in the
+  // design notes (twenty-fifth session): e4m3 hd 128 faster, more so without the per-tile fence
+  // (GatheredOperands); later starting points (after the first tile's weighing, its P, its P.V)
+  // slower; bf16 slower.
+  static constexpr bool kStaggeredStarts = kInOrder && kFp8;
   // A third K/V stage where it fits (hd <= 128 at 128 tokens, paged too: its page table is one 1 KB
   // slot); the fixed bytes are the Q tile, the page table, the slack for aligning the base and the
   // barriers.
@@ -1221,6 +1228,24 @@ __device__ __forceinline__ void scheduler_close(int wg) {
   if (wg != T::kConsumerWarpgroups - 1) scheduler_pass<T>(wg);
 }
 
+// fp8 in-order warpgroups start each job in turn (T::kStaggeredStarts): warpgroup w > 0 issues its
+// first Q K^T once warpgroup w - 1's is done. Warpgroup w waits on barrier kBarrierStagger +
+// 2 (w - 1) + item % 2, which w - 1 arrives on: one per job parity, so that a warpgroup a job
+// ahead (two Q buffers) could never arrive twice on a barrier its successor has not yet passed.
+constexpr int kBarrierStagger = 2;  // ids 2 .. 5: in-order kernels have no pingpong and no transposer
+template <typename T>
+__device__ __forceinline__ void stagger_wait(int wg, int item) {
+  if constexpr (T::kStaggeredStarts) {
+    if (wg > 0) cutlass::arch::NamedBarrier::sync(256, kBarrierStagger + 2 * (wg - 1) + item % 2);
+  }
+}
+template <typename T>
+__device__ __forceinline__ void stagger_pass(int wg, int item) {
+  if constexpr (T::kStaggeredStarts) {
+    if (wg + 1 < T::kConsumerWarpgroups) cutlass::arch::NamedBarrier::arrive(256, kBarrierStagger + 2 * wg + item % 2);
+  }
+}
+
 // fp8 per-head scales (float32; stride 0: one value for every head); none given reads as 1.
 __device__ __forceinline__ float head_scale(const void* scales, int stride, int head) {
   return scales == nullptr ? 1.f : __ldg(static_cast<const float*>(scales) + head * stride);
@@ -1417,6 +1442,8 @@ __device__ __forceinline__ void follow_pipeline(typename T::SharedStorage& smem,
     }
   };
   scheduler_open<T>(wg);
+  stagger_wait<T>(wg, count.items);
+  stagger_pass<T>(wg, count.items);
   const QBuffer<T> q = q_buffer<T>(smem, count.items);
   Barrier::wait(q.full, q.phase);
   Barrier::arrive(q.empty);
@@ -1461,10 +1488,52 @@ __device__ __forceinline__ bool end_item(typename T::SharedStorage& smem, const 
 __device__ __forceinline__ int warp_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
 
 // A K/V tile's stage is ready for the wgmma: its barrier passed, and the generic-proxy writes of a
-// gathered tile (cp.async) made visible to the async proxy.
-__device__ __forceinline__ void wait_tile(uint64_t* full, uint32_t phase) {
+// gathered tile (cp.async) made visible to the async proxy: always, unless the caller knows the
+// tile came by TMA (GatheredOperands).
+__device__ __forceinline__ void wait_tile(uint64_t* full, uint32_t phase, bool gathered = true) {
   cutlass::arch::ClusterBarrier::wait(full, phase);
-  cutlass::arch::fence_view_async_shared();
+  if (gathered) cutlass::arch::fence_view_async_shared();
+}
+
+// Which of an fp8 in-order job's shared-memory operands cp.async wrote (generic proxy), whose
+// completion the consumer learns from the barrier and must fence before its wgmma reads them: a
+// gathered Q, and the K of the item's tiles from `first_gathered` on (every tile, the last, or
+// none) that tile_is_boxed refuses (paged: every tile where some may straddle a page). TMA tiles
+// need no fence, nor fp8 V, whose transposing threads fence their own stores (arrive_stored).
+// The fence (MEMBAR and FENCE.VIEW.ASYNC in the SASS) before each tile's two wgmma batches cost
+// the in-order fp8 loop 1-3% (design notes, twenty-fifth session). 16-bit kernels fence every
+// tile as before: their tighter in-order loop ran 1-3% slower without (ptxas schedules it
+// differently; a per-tile test made it serialize the wgmmas, C7512).
+template <typename T>
+struct GatheredOperands {
+  bool q_gathered;
+  int first_gathered;
+
+  __device__ __forceinline__ bool q() const { return T::kFp8 && q_gathered; }
+  __device__ __forceinline__ bool k(int n) const {
+    if constexpr (!T::kFp8) return true;
+    // Ragged with V transposed ahead: the tensor holds a tile at least (launch_prefill), so
+    // every tile is one box.
+    if constexpr (T::kVtAhead && !T::kPagedKV) return false;
+    return n >= first_gathered;
+  }
+  __device__ __forceinline__ bool v(int) const { return !T::kFp8; }
+};
+template <typename T>
+__device__ __forceinline__ GatheredOperands<T> gathered_operands(const KernelArgs<T>& args, const WorkTile& w,
+                                                                 int num_tiles) {
+  const bool q_gathered = !args.q_boxed;
+  if (args.box_rows == 0) return {q_gathered, 0};
+  // Ragged: a tile is a box unless the request is shorter than one (tile_first).
+  if constexpr (!T::kPagedKV) return {q_gathered, w.end < T::kBlockN ? 0 : num_tiles};
+  // Paged, tiles kBlockN apart from the first: pages that divide a tile leave every tile where the
+  // first begins in its page, and a tile-aligned first in pages of whole tiles never straddles;
+  // otherwise only the last tile, where it holds w.end, is gathered.
+  const int page_size = args.p.page_size, first = tile_first<T>(w, 0);
+  const bool straddle = page_size <= T::kBlockN ? first % page_size != 0
+                                               : page_size % T::kBlockN != 0 || first % T::kBlockN != 0;
+  if (straddle) return {q_gathered, 0};
+  return {q_gathered, tile_first<T>(w, num_tiles - 1) + T::kBlockN > w.end ? num_tiles - 1 : num_tiles};
 }
 
 // A computing consumer warpgroup's kv loop, whichever operand runs along M (FA3's intra-warpgroup
@@ -1538,26 +1607,30 @@ __device__ __forceinline__ void run_kv_tiles(typename T::SharedStorage& smem, co
 template <typename T, typename TensorS, typename TensorO, typename IssueS, typename IssueO, typename Weigh,
           typename Rescale, typename ToP>
 __device__ __forceinline__ void run_kv_tiles_in_order(typename T::SharedStorage& smem,
-                                                      const PipelineCount<T::kStages>& count, int num_tiles,
-                                                      TensorS& s_acc, TensorO& o_acc, IssueS issue_s, IssueO issue_o,
-                                                      Weigh weigh, Rescale rescale, ToP to_p) {
+                                                      const PipelineCount<T::kStages>& count, int num_tiles, int wg,
+                                                      const GatheredOperands<T>& gathered, TensorS& s_acc,
+                                                      TensorO& o_acc, IssueS issue_s, IssueO issue_o, Weigh weigh,
+                                                      Rescale rescale, ToP to_p) {
   using Barrier = cutlass::arch::ClusterBarrier;
   float alpha[2];
   const QBuffer<T> q = q_buffer<T>(smem, count.items);
   Barrier::wait(q.full, q.phase);
+  if (gathered.q()) cutlass::arch::fence_view_async_shared();
+  stagger_wait<T>(wg, count.items);
   for (int n = 0; n < num_tiles; ++n) {
     const int stage = warp_uniform(count.stage(n));
-    wait_tile(&smem.k_full[stage], count.phase(n));
+    wait_tile(&smem.k_full[stage], count.phase(n), gathered.k(n));
     issue_s(stage);
     cute::warpgroup_wait<0>();
     cute::warpgroup_fence_operand(s_acc);
     Barrier::arrive(&smem.k_empty[stage]);
     if (n + 1 == num_tiles) Barrier::arrive(q.empty);
+    if (n == 0) stagger_pass<T>(wg, count.items);
     weigh(n, alpha);
     rescale(alpha);
     cute::for_each(cute::make_seq<T::kPVParts>{}, [&](auto part) {
       to_p(part);
-      if constexpr (decltype(part)::value == 0) wait_tile(&smem.v_full[stage], count.phase(n));
+      if constexpr (decltype(part)::value == 0) wait_tile(&smem.v_full[stage], count.phase(n), gathered.v(n));
       issue_o(stage, part);
     });
     cute::warpgroup_wait<0>();
@@ -1894,8 +1967,8 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
     };
     if constexpr (T::kInOrder) {
       run_kv_tiles_in_order<T>(
-          smem, count, num_tiles, tSrS, tOrO, issue_s, [&](int stage, auto part) { issue_pv(tOrP, stage, part); },
-          weigh, rescale, [&](auto part) {
+          smem, count, num_tiles, wg, gathered_operands<T>(args, w, num_tiles), tSrS, tOrO, issue_s,
+          [&](int stage, auto part) { issue_pv(tOrP, stage, part); }, weigh, rescale, [&](auto part) {
             to_weights(part);
             to_p(part);
           });
@@ -2127,7 +2200,11 @@ cudaError_t prefill_occupancy(int* ctas_per_sm) {
 template <typename T>
 cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
   if constexpr (T::kHasVtAhead && !T::kVtAhead) {
-    if (p.v_transposed != nullptr) return launch_prefill<typename T::WithVtAhead>(p, stream);
+    // Ragged K shorter than a tile is gathered, which the kernel with V transposed ahead never
+    // expects (GatheredOperands): such a launch transposes V itself.
+    if (p.v_transposed != nullptr && (T::kPagedKV || p.num_pages >= T::kBlockN)) {
+      return launch_prefill<typename T::WithVtAhead>(p, stream);
+    }
   }
   if constexpr (T::kHasDecodeItems && !T::kDecodeItems && !T::kVtAhead) {
     // One query token per request: a decode instantiation (items of <= 64 rows leave consumer
