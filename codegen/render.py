@@ -30,7 +30,7 @@ METADATA = "metadata.json"
 
 def fa3_cta_tile(spec: KernelSpec) -> int:
     """The FA3 kernel's one tile: a consumer warpgroup per 64 rows, three at 16-bit head dim 64, at
-    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (fa3/prefill.cuh,
+    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (fa3/traits.cuh,
     PrefillTraits::kConsumerWarpgroups), else two."""
     if spec.dtype_kv.is_fp8:
         three = spec.head_dim_vo <= 128
