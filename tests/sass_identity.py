@@ -1,6 +1,7 @@
 """Prove that a change to the kernel headers leaves the machine code alone.
 
     python3 tests/sass_identity.py --base REV [-j N] [--only SUBSTRING] [--keep DIR]
+    python3 tests/sass_identity.py --base-dir DIR ...   (DIR holds REV's generated/ and templates/include/)
 
 Compares, for every module of the default manifest, the SASS of each translation unit compiled from
 `generated/` and `templates/include/` of git revision REV (the "before") with the SASS compiled from
@@ -131,7 +132,9 @@ def first_difference(before: dict[str, list[str]], after: dict[str, list[str]]) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="git revision whose machine code is the reference")
+    base = parser.add_mutually_exclusive_group(required=True)
+    base.add_argument("--base", help="git revision whose machine code is the reference")
+    base.add_argument("--base-dir", type=Path, help="a folder holding the reference's generated/ and templates/include/")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="nvcc processes at once")
     parser.add_argument("--only", help="only modules whose uri contains this")
     parser.add_argument("--keep", type=Path, help="keep the cubins here (default: a temporary folder)")
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = args.keep or Path(tmp)
-        before = units_of(checkout(args.base, work / "before"), args.only)
+        before = units_of(args.base_dir or checkout(args.base, work / "before"), args.only)
         after = units_of(REPO, args.only)
         if before.keys() != after.keys():
             print("units differ:", sorted(before.keys() ^ after.keys()))
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 for problem in problems:
                     print(f"    {problem}")
                 failed += bool(problems)
-    print(f"sass_identity: {len(before) - failed} of {len(before)} units identical to {args.base}")
+    print(f"sass_identity: {len(before) - failed} of {len(before)} units identical to {args.base or args.base_dir}")
     return 1 if failed else 0
 
 
