@@ -1,16 +1,17 @@
 // Role: the FA2 decode kernel's tensor-core tile (DecodeTraits::kMmaTile): rows of whole 128-byte
 //   lines (16-bit hd 64 and 128, fp8 hd 128 and 256) read for 4 to 8 query heads, where the
-//   CUDA-core tile is issue-bound (it multiplies each K/V element once per head, and converts an
-//   fp8 one once per head group). Here a warp takes 16 rows of a 64-token tile as its own token
-//   lane (its own online softmax, merged after the kv loop like the CUDA-core tile's token lanes)
-//   and runs mma.sync m16n8k16 with fp32 accumulation (fp16 for an fp8 cache,
-//   else the cache's type), the CTA's heads as the MMAs' N (8; rows past the CTA's heads are zero
+//   CUDA-core tile (decode_simt.cuh) is issue-bound: it multiplies each K/V element once per head,
+//   and converts an fp8 one once per head group. Here a warp takes 16 rows of a 64-token tile as
+//   its own token lane (its own online softmax, merged after the kv loop like the CUDA-core tile's
+//   token lanes) and runs mma.sync m16n8k16 with fp32 accumulation (fp16 for an fp8 cache, else
+//   the cache's type), the CTA's heads as the MMAs' N (8; rows past the CTA's heads are zero
 //   queries, never stored):
 //     S^T (16 tokens x 8 heads) = K (16 x hd, A from the ring) . Q^T (hd x 8, B in registers);
 //     O^T (hd x 8)             += V^T (hd x 16, A from the ring) . P^T (16 x 8, B through shared memory).
 //   Every fp8 element is converted to fp16 (exactly, one cvt per pair) once per CTA. P goes in as
 //   two terms of the MMA type, its rounding and the rest, so P.V keeps the CUDA-core tile's fp32
 //   accuracy (bf16 P alone moved o by more than an ulp between split and unsplit runs).
+//
 // Contract (fragment layouts of common/mma.cuh; lane = (g, t) = (lane / 4, lane % 4)):
 //   - the ring holds rows of whole 128-byte lines placed by common::Swizzle128 (ring_element);
 //   - 16-bit: K by ldmatrix and V^T by ldmatrix.trans, in natural order;
@@ -18,7 +19,10 @@
 //     (+8) of k-step c is dim hd/4 t + 4c + {0, 1} ({2, 3}); q's B fragments follow the same order
 //     (a dot product does not depend on the order of its dims);
 //   - fp8, V: ldmatrix.trans hands out byte pairs (dims 2r, 2r + 1) of two tokens, so row r of dim
-//     chunk ch's A is dim 16 ch + 2r and row r + 8 is dim 16 ch + 2r + 1 (mma_dim undoes it).
+//     chunk ch's A is dim 16 ch + 2r and row r + 8 is dim 16 ch + 2r + 1 (mma_dim undoes it);
+//   - it comes before decode_traits.cuh in the translation unit and reads DecodeTraits only
+//     through its template parameter T.
+//
 // Must not: plan, copy or store results; the kernel owns the ring, the lane merge and the stores.
 #pragma once
 

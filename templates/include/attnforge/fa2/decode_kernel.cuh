@@ -1,0 +1,271 @@
+// Role: the FA2 batch decode kernel over a paged KV cache (one query token per request), composed of
+//   the CUDA-core tile (decode_simt.cuh) or the tensor-core tile (decode_mma.cuh, kMmaTile); with its
+//   launch and occupancy query.
+//
+// Contract:
+//   grid  = (work_capacity * num_head_tiles, num_kv_heads); block = (kBdx, kBdy, kBdz), 128 threads.
+//   A CTA takes one planned work item (request, kv token range [begin, end)) for one kv head and
+//   up to kHeadsPerCta of the query heads that share it, so K/V are read once per group; a work
+//   index at or past the plan's num_work (padding of a static CUDA-graph grid) exits at once.
+//   Its k_scale folds into score_scale on the host and v_scale multiplies o after the kernel.
+//   K/V tiles stream through a kStages-deep cp.async ring. A row's source offset is looked up once
+//   per tile, by the row's owner thread, two tiles ahead of its copies (a tile in a register for the
+//   page-id load, a tile in shared memory for the copying threads), so the gather never waits on
+//   the page table and the kBdx copies of a row do not each repeat the lookup.
+//   After the kv loop the token lanes' states merge through shared memory into token lane 0.
+//   Output: softmax-normalized o and base-2 lse (log2 of the denominator plus the scaled max),
+//   either straight into o/lse or, for a split request, into the fp32 partial slot the plan gave.
+//   An empty range writes o = 0, lse = -inf. A page id outside [0, num_pages) never reaches
+//   memory: the CTA reads page 0 instead, writes NaN, and raises the plan's error word.
+//
+// Must not: decide anything about scheduling (the plan did) or know about dtypes beyond common/vec.cuh.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/async_copy.cuh"
+#include "../common/math.cuh"
+#include "../common/plan_image.cuh"
+#include "../common/vec.cuh"
+
+#include "decode_traits.cuh"
+#include "decode_simt.cuh"
+#include "decode_mma.cuh"
+
+namespace attnforge::fa2 {
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(const __grid_constant__ typename T::Params p) {
+  using DTypeKV = typename T::DTypeKV;
+  constexpr int H = T::kHeadsPerThread;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+  int32_t* plan = static_cast<int32_t*>(p.plan);
+
+  const int work = blockIdx.x / p.num_head_tiles;
+  if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
+  const int head_tile = blockIdx.x % p.num_head_tiles;
+  const int kv_head = blockIdx.y;
+  const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
+  const int tid = tx + T::kBdx * (ty + T::kBdy * tz);
+
+  const int request = plan[p.off_work_request + work];
+  const int begin = plan[p.off_work_begin + work];
+  const int end = plan[p.off_work_end + work];
+  const int slot = plan[p.off_work_partial + work];
+  const int32_t* page_ids = static_cast<const int32_t*>(p.indices) + plan[p.off_indptr + request];
+
+  // This thread's heads (for the stores): group slots head_tile * kHeadsPerCta + ty * H + h. Slots
+  // past the group (a tile that does not divide it) compute on a clamped head and store nothing.
+  const int cta_slot = head_tile * T::kHeadsPerCta;
+  const int first_slot = cta_slot + ty * H;
+
+  // Each thread copies the same kChunksPerThread chunks of every tile: column tid % kBdx of rows
+  // tid / kBdx + c * kRowsPerPass. Thread r < kTileTokens owns row r's offset. Branch-free: a row
+  // past the range keeps page 0's address and copies zeros (its validity is recomputed at issue
+  // instead of being carried in the offset). Offsets are in bytes so that issuing a copy is one
+  // 64-bit add per tensor.
+  constexpr int kRowsPerPass = T::kThreads / T::kBdx;
+  const int copy_row = tid / T::kBdx;
+  const int copy_cell = tid % T::kBdx;
+  const int copy_col = copy_cell * T::kVec;
+  const bool row_owner = tid < T::kTileTokens;
+  const auto* k_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head + copy_col);
+  const auto* v_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.v) + kv_head * p.kv_stride_head + copy_col);
+  const int64_t page_bytes = p.kv_stride_page * int64_t(sizeof(DTypeKV));
+  const int64_t token_bytes = p.kv_stride_token * int64_t(sizeof(DTypeKV));
+  const common::FastDivmod page_size(p.page_size);
+  bool bad_page = false;
+  auto row_offset = [&](int tile) -> int64_t {  // of the owned row
+    if (!row_owner) return 0;
+    const int token = begin + tile * T::kTileTokens + tid;
+    const bool in_range = token < end;
+    int page_index, in_page;
+    page_size.divmod(token, page_index, in_page);
+    const int page = in_range ? __ldg(page_ids + page_index) : 0;
+    const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
+    bad_page |= in_range && !ok;
+    return int64_t(ok ? static_cast<unsigned>(page) : 0u) * page_bytes +
+           int64_t(static_cast<unsigned>(in_page)) * token_bytes;
+  };
+  auto share = [&](int tile, int64_t offset) {
+    if (row_owner) smem.row_offsets[tile % T::kOffsetSlots][tid] = offset;
+  };
+  auto issue = [&](int tile) {
+    const int stage = tile % T::kStages;
+    const int first_token = begin + tile * T::kTileTokens + copy_row;
+    const int64_t* shared_offsets = smem.row_offsets[tile % T::kOffsetSlots];
+    int64_t offsets[T::kChunksPerThread];
+#pragma unroll
+    for (int c = 0; c < T::kChunksPerThread; ++c) offsets[c] = shared_offsets[copy_row + c * kRowsPerPass];
+#pragma unroll
+    for (int c = 0; c < T::kChunksPerThread; ++c) {
+      const int row = copy_row + c * kRowsPerPass;
+      const bool valid = first_token + c * kRowsPerPass < end;
+      const int element = T::ring_element(row, copy_cell);
+      common::cp_async_16(&smem.ring.k[stage][element], k_src + offsets[c], valid);
+      common::cp_async_16(&smem.ring.v[stage][element], v_src + offsets[c], valid);
+    }
+  };
+
+  // Prologue: the first kStages - 1 tiles' offsets shared and copied, the next one's shared and
+  // the one after that's looked up (the loop's state on entry).
+  const int num_tiles = (end - begin + T::kTileTokens - 1) / T::kTileTokens;
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) share(s, row_offset(s));
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    if (s < num_tiles) issue(s);
+    common::cp_async_commit();
+  }
+  __syncthreads();  // the slots are read: the next tiles' offsets may take them
+  share(T::kStages - 1, row_offset(T::kStages - 1));
+  int64_t next_offset = row_offset(T::kStages);
+
+  // The kv loop: tile by tile, the ring refilled and the tile handed to `consume(stage, valid rows)`.
+  auto run_tiles = [&](auto&& consume) {
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      common::cp_async_wait<T::kStages - 2>();
+      __syncthreads();
+      // The stage refilled here was consumed in the previous iteration, which the barrier closed;
+      // the offset slot written here was last read before it too.
+      const int ahead = tile + T::kStages - 1;
+      if (ahead < num_tiles) issue(ahead);
+      common::cp_async_commit();
+      share(ahead + 1, next_offset);
+      next_offset = row_offset(ahead + 2);
+      consume(tile % T::kStages, end - begin - tile * T::kTileTokens);
+    }
+    common::cp_async_wait<0>();
+  };
+  // After the kv loop every token lane's state is in smem.lanes, except that the CUDA-core tile's
+  // lane 0 keeps its own in `st`; token lane 0's threads then merge the others into st.
+  SoftmaxState<T::kVec> st[H];
+  constexpr int kFirstMergedLane = T::kMmaTile ? 0 : 1;
+  constexpr int kNumLanes = T::kMmaTile ? T::kWarps : T::kBdz;
+  if constexpr (T::kMmaTile) {
+    const int warp = tid / 32, lane = tid % 32;
+    MmaQuery<T::kMmaChunks> q;
+    load_query_mma<T>(p, request, kv_head, cta_slot, lane, q);
+    MmaState<T::kMmaChunks> lane_state;
+    run_tiles([&](int stage, int valid_rows) {
+      decode_tile_mma<T>(reinterpret_cast<const uint8_t*>(smem.ring.k[stage]),
+                         reinterpret_cast<const uint8_t*>(smem.ring.v[stage]), q, valid_rows, p.post_scale,
+                         smem.mma_probs[warp], warp, lane, lane_state);
+    });
+    __syncthreads();  // every warp is done reading the ring the lane states overwrite
+    share_mma_state<T>(lane_state, smem.lanes, warp, lane);
+  } else {
+    const ScoreOwner owner = score_owner<T>(tx);
+    typename T::Query q;  // slot h: head h ^ owner.head (see ScoreOwner)
+    if constexpr (T::kPackedMath) {
+      float qf[H][T::kVec];
+      load_query<T>(p, request, kv_head, first_slot, owner, tx, qf);
+      pack_query<T>(qf, p.score_scale, q);
+    } else {
+      load_query<T>(p, request, kv_head, first_slot, owner, tx, q);
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+#pragma unroll
+        for (int e = 0; e < T::kVec; ++e) q[h][e] *= p.score_scale;
+      }
+    }
+    float o[H][T::kVec] = {};
+    OwnedHead own;
+    run_tiles([&](int stage, int valid_rows) {
+      decode_tile<T>(smem.ring.k[stage], smem.ring.v[stage], q, owner, valid_rows, p.post_scale, smem.rows[tz][ty],
+                     own, o);
+    });
+    // Gather every head's (m, d) into each lane: a head's lanes already share its max; its
+    // denominator is split over them.
+    own.d = common::lane_group_sum<T::kHeadLanes, T::kReplicas>(own.d);
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const int owner_lane = h * T::kHeadLanes * T::kReplicas;
+      st[h].m = __shfl_sync(0xffffffffu, own.m, owner_lane, T::kBdx);
+      st[h].d = __shfl_sync(0xffffffffu, own.d, owner_lane, T::kBdx);
+#pragma unroll
+      for (int e = 0; e < T::kVec; ++e) st[h].o[e] = o[h][e];
+    }
+    if constexpr (T::kBdz > 1) {
+      __syncthreads();  // every lane is done reading the ring the lane states overwrite
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+#pragma unroll
+        for (int e = 0; e < T::kVec; ++e) smem.lanes.o[tz][ty * H + h][tx * T::kVec + e] = st[h].o[e];
+        if (tx == 0) {
+          smem.lanes.m[tz][ty * H + h] = st[h].m;
+          smem.lanes.d[tz][ty * H + h] = st[h].d;
+        }
+      }
+    }
+  }
+
+  if constexpr (kNumLanes > kFirstMergedLane) {
+    __syncthreads();
+    if (tz == 0) {
+      for (int lane = kFirstMergedLane; lane < kNumLanes; ++lane) {
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          st[h].merge(smem.lanes.m[lane][ty * H + h], smem.lanes.d[lane][ty * H + h],
+                      &smem.lanes.o[lane][ty * H + h][tx * T::kVec]);
+        }
+      }
+    }
+  }
+  bad_page = __syncthreads_or(bad_page);
+  if (tz != 0) return;
+  if (bad_page && tid == 0) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
+
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    if (first_slot + h >= p.group_size) break;
+    const int qo_head = kv_head * p.group_size + first_slot + h;
+    const float inv_d = st[h].d > 0.f ? 1.f / st[h].d : 0.f;
+    float out[T::kVec];
+#pragma unroll
+    for (int e = 0; e < T::kVec; ++e) out[e] = bad_page ? NAN : st[h].o[e] * inv_d;
+    const float lse = bad_page ? NAN : (st[h].d > 0.f ? st[h].m + log2f(st[h].d) : common::kNegInf);
+    if (slot < 0) {
+      auto* o_row = static_cast<typename T::DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h;
+      common::store_float(o_row + tx * T::kVec, out);
+      if (p.lse != nullptr && tx == 0) static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] = lse;
+    } else {
+      const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
+      float* partial = static_cast<float*>(p.tmp_v) + row * T::kHeadDim + tx * T::kVec;
+#pragma unroll
+      for (int e = 0; e < T::kVec; e += 4) {
+        *reinterpret_cast<float4*>(partial + e) = make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
+      }
+      if (tx == 0) static_cast<float*>(p.tmp_s)[row] = lse;
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_decode(const typename T::Params& p, cudaStream_t stream) {
+  constexpr int kSmem = sizeof(typename T::SharedStorage);
+  // Above 48 KB the opt-in must be set per device; setting it every launch is cheap and correct
+  // for processes that drive several GPUs.
+  if constexpr (kSmem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(p.work_capacity * p.num_head_tiles, p.num_kv_heads);
+  const dim3 block(T::kBdx, T::kBdy, T::kBdz);
+  decode_kernel<T><<<grid, block, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t decode_occupancy(int* ctas_per_sm) {
+  constexpr int kSmem = sizeof(typename T::SharedStorage);
+  if constexpr (kSmem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, decode_kernel<T>, T::kThreads, kSmem);
+}
+
+}  // namespace attnforge::fa2

@@ -1,0 +1,172 @@
+// Role: the FA2 decode kernel's compile-time configuration (DecodeTraits): the thread layout
+//   (kBdx x kBdy x kBdz), heads per thread, the choice between the CUDA-core and the tensor-core
+//   tile, the KV tile and ring depth, the reduce-scatter shape, the packed math's fp16 range bounds
+//   (with the PackedQuery it types) and the shared-memory layout.
+//
+// Contract:
+//   - Every size the decode headers use is chosen here, beside the reason for it; the static_asserts
+//     reject a composition the codegen rules should have kept out.
+//   - Shared memory: a kStages-deep cp.async ring of K and V tiles (swizzled where ldmatrix reads
+//     them, ring_element), reused for the token lanes' (m, d, o) states once the kv loop has
+//     drained; per lane group a row of probabilities and rescale factors; per warp the tensor-core
+//     tile's P buffer; the row offsets of the tiles the ring has yet to copy.
+//
+// Must not: hold kernel code (ring_element is the one index map the ring's writer and readers share).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/swizzle.cuh"
+#include "../common/vec.cuh"
+
+namespace attnforge::fa2 {
+
+// The largest power of two <= x (x > 0), for compile-time fp16 range bounds.
+constexpr float pow2_at_most(float x) {
+  float p = 1.f;
+  while (p > x) p *= 0.5f;
+  while (2.f * p <= x) p *= 2.f;
+  return p;
+}
+
+constexpr float kHalfMax = 65504.f;
+
+// q of one thread for an fp8 cache, as half2 pairs (slot h: head h ^ owner.head, like the fp32 q).
+// A 16-bit q times a power of two is exact in fp16; the power is chosen per lane group so that no
+// partial dot product over kVec fp8 values can leave fp16's range, and unscale (score_scale over
+// that power) turns a finished score into a base-2 logit.
+template <int kHeads, int kVec>
+struct PackedQuery {
+  half2 q[kHeads][kVec / 2];
+  float unscale;
+};
+
+template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDim_,
+          int kHeadsPerCta_, bool kSoftCap_>
+struct DecodeTraits {
+  using Params = Params_;
+  using DTypeQ = DTypeQ_;
+  using DTypeKV = DTypeKV_;
+  using DTypeO = DTypeO_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadsPerCta = kHeadsPerCta_;
+  static constexpr bool kSoftCap = kSoftCap_;
+
+  static constexpr int kVec = 16 / sizeof(DTypeKV);  // KV elements per 16-byte load
+  static constexpr int kBdx = kHeadDim / kVec;       // threads spanning one KV row
+  // A thread serves several heads so that each K/V element it loads and converts feeds all of
+  // them: the kernel is issue-bound long before it is bandwidth-bound otherwise. q and o take
+  // 2 x kHeadsPerThread x kVec floats; capped at 2 x 32 they stay in registers under the
+  // 128-register bound of 4 CTAs per SM: four heads of a 16-bit cache, two of an fp8 one.
+  static constexpr int kMaxHeadsPerThread = 32 / kVec;
+  static constexpr int kHeadsPerThread = kHeadsPerCta < kMaxHeadsPerThread ? kHeadsPerCta : kMaxHeadsPerThread;
+  static constexpr int kBdy = kHeadsPerCta / kHeadsPerThread;  // head groups per CTA
+  static constexpr int kThreads = 128;
+  static constexpr int kBdz = kThreads / (kBdx * kBdy);  // token lanes
+  // Tensor-core tiles (decode_mma.cuh): rows of whole 128-byte lines (16-bit hd 64 and 128, fp8
+  // hd 128 and 256) read for 4-8 heads, in 64-token tiles, 16 rows per warp. The CUDA-core tile
+  // spends an FMA per head on each element (and an fp8 cache a conversion per head group), so it
+  // is issue-bound at 4 and 8 heads (fp8 at 4 heads: 695 SASS instructions per tile and warp
+  // against 316 here), which the MMAs remove. fp8 hd 64 (64-byte rows) keeps the CUDA-core tile,
+  // and so does 16-bit hd 256, whose 64-token ring (192 KB) would leave one CTA per SM.
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr bool kMmaTile =
+      kHeadsPerCta >= 4 && kBdx % 8 == 0 && (kHeadDim <= 128 || sizeof(DTypeKV) == 1);
+  static constexpr int kMmaChunks = kHeadDim / 16;
+  // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
+  // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM, which
+  // beat 4 stages at 3 CTAs per SM. A 16-bit tensor-core tile takes 16 KB (64 rows) and 2 CTAs per
+  // SM: the same bytes in flight.
+  static constexpr int kTileTokens = kMmaTile ? 16 * kWarps : 8192 / (kHeadDim * int(sizeof(DTypeKV)));
+  static constexpr int kTokensPerLane = kTileTokens / kBdz;
+  static constexpr int kStages = 3;
+  static constexpr int kMinCtasPerSm = 8192 * 4 / (kTileTokens * kHeadDim * int(sizeof(DTypeKV)));
+  static constexpr int kChunksPerTile = kTileTokens * kBdx;  // 16-byte chunks in one K (or V) tile
+  static constexpr int kChunksPerThread = kChunksPerTile / kThreads;
+  static constexpr int kOffsetSlots = kStages - 1;  // tiles whose row offsets wait in shared memory
+
+  // An fp8 cache spends 1.5 conversions per element to reach fp32 against 2 FMAs of its 2 heads
+  // (measured at 61% of copy bandwidth, issue-bound). In fp16 a pair converts in one instruction
+  // and feeds packed FMAs directly: q.k partial sums (kVec products a lane) and each tile's P.V
+  // (kTokensPerLane products a column) run in half2 and are added into fp32 scores and o.
+  // kQueryBound and kProbScale keep those fp16 sums inside fp16's range for any finite fp8 cache.
+  // Their rounding (~2^-11 relative per partial sum, ~1e-3 in o and the scores) sits under a bf16
+  // output's 2^-9 but not under an fp16 one's 2^-12: an fp16 output keeps the fp32 math (half2
+  // math fails the fp16 reference tolerance of 5e-3).
+  static constexpr bool kPackedMath = sizeof(DTypeKV) == 1 && std::is_same_v<DTypeO, __nv_bfloat16>;
+  using Query = std::conditional_t<kPackedMath, PackedQuery<kHeadsPerThread, kVec>, float[kHeadsPerThread][kVec]>;
+  static constexpr float kMaxKv = [] {
+    if constexpr (kPackedMath) return common::Vec16<DTypeKV>::kMaxFinite;
+    return 1.f;
+  }();
+  static constexpr float kQueryBound = pow2_at_most(kHalfMax / (kVec * kMaxKv));
+  static constexpr float kProbScale =
+      kHalfMax >= kTokensPerLane * kMaxKv ? 1.f : pow2_at_most(kHalfMax / (kTokensPerLane * kMaxKv));
+
+  static_assert(kHeadDim % kVec == 0 && kBdx <= 32 && 32 % kBdx == 0,
+                "decode-head-dims: a KV row must span a power-of-two number of lanes within a warp");
+  static_assert(kHeadsPerCta % kHeadsPerThread == 0, "decode heads: head groups must tile the CTA's heads");
+  static_assert(kBdz >= 1 && kBdx * kBdy * kBdz == kThreads, "decode block: lanes must tile 128 threads");
+  static_assert(kChunksPerThread >= 1 && kChunksPerTile % kThreads == 0,
+                "decode tile: every thread must issue the same number of 16-byte copies");
+  static_assert(kTileTokens % kBdz == 0, "decode tile: token lanes must split a tile evenly");
+  static_assert(kTileTokens <= kThreads && kStages >= 3, "decode ring: a thread per tile row owns its offset");
+  static_assert(!kMmaTile || kHeadsPerCta <= 8, "decode mma tile: the CTA's heads are the MMAs' 8 columns");
+
+  // Per tile a lane group computes kScores = kTokensPerLane x kHeadsPerThread dot products. The
+  // reduce-scatter spreads them over kScatterLanes lanes, kScoresPerLane consecutive tokens of one
+  // head each; the remaining kReplicas-fold lanes hold copies. kHeadLanes scatter lanes share a
+  // head: its tile max and denominator are reduced over them alone. (Scattering kBdx tokens of
+  // each head instead would need 4x larger tiles, which the 3-stage ring at 4 CTAs/SM cannot hold.)
+  static constexpr int kScores = kTokensPerLane * kHeadsPerThread;
+  static constexpr int kScatterLanes = kScores < kBdx ? kScores : kBdx;
+  static constexpr int kScoresPerLane = kScores / kScatterLanes;
+  static constexpr int kReplicas = kBdx / kScatterLanes;
+  static constexpr int kHeadLanes = kTokensPerLane / kScoresPerLane;
+  static_assert(kHeadLanes >= 1 && kTokensPerLane % kScoresPerLane == 0,
+                "decode scores: the scores one lane finishes must belong to one head");
+
+  // Token-lane partial states, merged once the KV ring has drained: [lane][kHeadsPerCta][kHeadDim]
+  // and (m, d), one lane per tz, or per warp on the tensor-core tile (where fp8 hd 256 at 8 heads
+  // has 2 tz for 4 warps). They reuse the ring's memory, which keeps the CTA near 48 KB (4 per SM).
+  static constexpr int kStateLanes = kMmaTile && kWarps > kBdz ? kWarps : kBdz;
+  static_assert(!kMmaTile || kStateLanes >= kWarps, "decode mma tile: a token-lane state per warp (share_mma_state)");
+  struct LaneStates {
+    float o[kStateLanes][kHeadsPerCta][kHeadDim];
+    float m[kStateLanes][kHeadsPerCta];
+    float d[kStateLanes][kHeadsPerCta];
+  };
+  struct Ring {
+    alignas(16) DTypeKV k[kStages][kTileTokens * kHeadDim];
+    alignas(16) DTypeKV v[kStages][kTileTokens * kHeadDim];
+  };
+  // A lane group's per-tile exchange: each token's probabilities for its heads (the packed math's
+  // in fp16, times kProbScale, as its P.V multiplies them) and each head's rescale factor. A row
+  // is aligned so a lane reads it in one load.
+  template <typename E>
+  struct alignas(sizeof(E) * kHeadsPerThread) HeadRow {
+    E h[kHeadsPerThread];
+  };
+  using ProbRow = HeadRow<std::conditional_t<kPackedMath, half, float>>;
+  struct LaneGroupRows {
+    ProbRow probs[kTokensPerLane];
+    HeadRow<float> rescale;
+  };
+  // Ring row `row`'s 16-byte cell `cell`, in elements: swizzled where ldmatrix reads the rows.
+  __device__ __forceinline__ static int ring_element(int row, int cell) {
+    if constexpr (kMmaTile) return common::Swizzle128<kBdx>::cell(row, cell) * kVec;
+    return (row * kBdx + cell) * kVec;
+  }
+  struct SharedStorage {
+    union {
+      Ring ring;
+      LaneStates lanes;
+    };
+    LaneGroupRows rows[kBdz][kBdy];  // per lane group, rewritten every tile
+    alignas(16) uint32_t mma_probs[kMmaTile ? kWarps : 0][32][4];  // per warp: P's two terms, 16 rows of 8 each
+    int64_t row_offsets[kOffsetSlots][kTileTokens];  // tile t's in slot t % kOffsetSlots
+  };
+};
+
+}  // namespace attnforge::fa2

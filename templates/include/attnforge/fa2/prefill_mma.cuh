@@ -1,0 +1,219 @@
+// Role: the FA2 prefill kernel's tensor-core math: shared -> register fragment loads (ldmatrix;
+//   fp8 widened to fp16), S = Q K^T (compute_scores) and O += P V (accumulate_pv) on mma.sync
+//   m16n8k16 with fp32 accumulation, and the once-per-CTA rewrite of the Q tile for an fp8 cache
+//   (prepare_q_for_fp8_kv).
+//
+// Contract:
+//   - A 16-bit cache runs the MMAs in q's type, every fragment in its natural order.
+//   - An fp8 cache (e4m3/e5m2, with a 16-bit q) stays fp8 in shared memory; each warp widens the
+//     fragments it loads to fp16, exactly, and runs fp16 MMAs. q is put in fp16 once per CTA (a bf16
+//     one times a power of two, undone in the score scale) with the dims of every 16-dim chunk in
+//     the order the fp8 K fragments arrive in; a dot product does not depend on the order of its
+//     dims. o's columns then come out in the order V's do (o_col).
+//   - compute_scores returns raw fp32 dot products; accumulate_pv takes base-2 probabilities in the
+//     score fragment.
+//
+// Must not: scale, mask or exponentiate scores, or touch global memory.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/mma.cuh"
+#include "../common/swizzle.cuh"
+#include "../common/vec.cuh"
+
+#include "prefill_traits.cuh"
+#include "prefill_state.cuh"
+
+namespace attnforge::fa2 {
+
+// Fragment loads revisit the same lane rows (row0 + 16 i, all with row0 % 8) at even column cells
+// 2 j + c0, so the swizzled cell is row * kCells + ((2 j) ^ x) with x = c0 ^ (row0 % 8) fixed per
+// lane: one xor per column step and an immediate offset per row step, nothing hoisted per (i, j).
+template <int kCells>
+struct LaneCells {
+  int row0, x;
+  __device__ __forceinline__ LaneCells(int row, int c0) : row0(row), x(c0 ^ (row & 7)) {}
+  __device__ __forceinline__ int at(int i, int j) const { return (row0 + 16 * i) * kCells + ((2 * j) ^ x); }
+};
+
+// An fp8 word of four one-byte elements as two registers of fp16 pairs: bytes (0, 1) and (2, 3).
+template <typename T>
+__device__ __forceinline__ void widen_fp8_word(uint32_t word, uint32_t& lo, uint32_t& hi) {
+  lo = common::Vec16<typename T::DTypeKV>::pair_to_half2_bits(word, 0);
+  hi = common::Vec16<typename T::DTypeKV>::pair_to_half2_bits(word, 1);
+}
+
+// K's B fragments for one step of 16 keys (the row addresses of LaneCells kc): b[c][0..1] for keys
+// 0-7 and b[c][2..3] for keys 8-15 of the step's 16-dim chunk c. 16-bit: one ldmatrix_x4, natural
+// order. fp8: matrices (keys 0-7, dims 0-15), (keys 0-7, 16-31), (keys 8-15, 0-15), (keys 8-15,
+// 16-31); lane (g, t) gets dims 4t .. 4t + 3 of key g, which fill B's k slots 2t, 2t + 1 and
+// 2t + 8, 2t + 9: the dim order prepare_q_for_fp8_kv gave q.
+template <typename T>
+__device__ __forceinline__ void load_k_fragments(const typename T::DTypeKV* row, uint32_t (&b)[T::kChunksPerLoad][4]) {
+  uint32_t r[4];
+  common::ldmatrix_x4(r, row);
+  if constexpr (T::kFp8KV) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int keys = 0; keys < 2; ++keys) widen_fp8_word<T>(r[2 * keys + c], b[c][2 * keys], b[c][2 * keys + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) b[0][i] = r[i];
+  }
+}
+
+// V's B fragments (transposed) for one step of 16 keys (LaneCells vc): b[c][0..1] for the first
+// n8 block of o's chunk c, b[c][2..3] for the second. 16-bit: dims 0-7 and 8-15. fp8: ldmatrix.trans
+// hands lane (g, t) the byte pairs (dims 2g, 2g + 1) of keys 2t and 2t + 1; regrouped by dim, they
+// are the even dims 2g (first block) and the odd dims 2g + 1 (second), which o_col follows.
+template <typename T>
+__device__ __forceinline__ void load_v_fragments(const typename T::DTypeKV* row, uint32_t (&b)[T::kChunksPerLoad][4]) {
+  uint32_t r[4];
+  common::ldmatrix_x4_trans(r, row);
+  if constexpr (T::kFp8KV) {
+    // matrices (keys 0-7, dims 0-15), (keys 8-15, 0-15), (keys 0-7, 16-31), (keys 8-15, 16-31)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int keys = 0; keys < 2; ++keys) {
+        const uint32_t by_dim = __byte_perm(r[2 * c + keys], 0u, 0x3120u);  // (k0 d0, k1 d0, k0 d1, k1 d1)
+        widen_fp8_word<T>(by_dim, b[c][keys], b[c][2 + keys]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) b[0][i] = r[i];
+  }
+}
+
+// fp8 cache: rewrite the landed Q tile (16-bit, Swizzle128) for the fp16 MMAs. Each 16-dim chunk
+// takes the order of load_k_fragments (stored dims 2t + j <- 4t + j, 2t + 8 + j <- 4t + 2 + j,
+// t < 4, j < 2: 32-bit words 0, 2, 4, 6, 1, 3, 5, 7); a bf16 q is multiplied by the power of two
+// that brings the CTA's largest |q| into [2^13, 2^14) (fp16 then keeps bf16's 8 significant bits
+// down to 2^-24 of it). Returns what multiplies a score to undo it. Every Q copy must be visible
+// (a barrier after the wait); the caller's next barrier publishes the result.
+template <typename T>
+__device__ __forceinline__ float prepare_q_for_fp8_kv(typename T::Tiles& tiles) {
+  using Vec = common::Vec16<typename T::DTypeQ>;
+  using Swizzle = common::Swizzle128<T::kCellsQK>;
+  const uint4* cells = reinterpret_cast<const uint4*>(tiles.q);
+  int shift = 0;
+  if constexpr (std::is_same_v<typename T::DTypeQ, __nv_bfloat16>) {
+    float abs_max = 0.f;
+    for (int idx = threadIdx.x; idx < T::kCtaTileQ * T::kCellsQK; idx += T::kThreads) {
+      float f[8];
+      Vec::to_float(cells[Swizzle::cell(idx / T::kCellsQK, idx % T::kCellsQK)], f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) abs_max = fmaxf(abs_max, fabsf(f[i]));
+    }
+    // Non-negative floats order as their bits.
+    const unsigned warp_max = __reduce_max_sync(0xffffffffu, __float_as_uint(abs_max));
+    if (threadIdx.x % 32 == 0) atomicMax(&tiles.q_abs_max, warp_max);
+    __syncthreads();
+    const float cta_max = __uint_as_float(tiles.q_abs_max);
+    int exponent;
+    frexpf(cta_max, &exponent);  // cta_max in [2^(exponent - 1), 2^exponent)
+    if (cta_max > 0.f && cta_max <= FLT_MAX) shift = max(-126, min(126, 14 - exponent));
+  }
+  const float scale = __int_as_float((127 + shift) << 23);
+  constexpr int kChunks = T::kHeadDimQK / 16;
+  for (int idx = threadIdx.x; idx < T::kCtaTileQ * kChunks; idx += T::kThreads) {
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    uint4* lo = reinterpret_cast<uint4*>(tiles.q) + Swizzle::cell(row, 2 * chunk);
+    uint4* hi = reinterpret_cast<uint4*>(tiles.q) + Swizzle::cell(row, 2 * chunk + 1);
+    float f[16];
+    Vec::to_float(*lo, *reinterpret_cast<float(*)[8]>(f));
+    Vec::to_float(*hi, *reinterpret_cast<float(*)[8]>(f + 8));
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = common::pack2<half>(f[2 * i] * scale, f[2 * i + 1] * scale);
+    *lo = make_uint4(w[0], w[2], w[4], w[6]);
+    *hi = make_uint4(w[1], w[3], w[5], w[7]);
+  }
+  return __int_as_float((127 - shift) << 23);
+}
+
+// s = Q . K^T for this warp's rows and kv columns (raw dot products, fp32).
+template <typename T>
+__device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, const typename T::DTypeKV* k, int warp_q,
+                                               int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
+  constexpr int kChunks = T::kChunksPerLoad;
+  const int lane = threadIdx.x % 32;
+  // Q: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
+  const LaneCells<T::kCellsQK> qc(warp_q * T::kMmaQ * 16 + lane % 16, lane / 16);
+  // K: matrices (kv 0-7, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 0), (kv 8-15, cell 1).
+  const LaneCells<T::kRowCellsQK> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+#pragma unroll
+  for (int mq = 0; mq < T::kMmaQ; ++mq) {
+#pragma unroll
+    for (int mk = 0; mk < T::kMmaKV; ++mk) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[mq][mk][e] = 0.f;
+    }
+  }
+  // Rolled: unrolled, ptxas hoists every step's ldmatrix ahead and runs out of registers.
+#pragma unroll 1
+  for (int step = 0; step < T::kMmaDQK / kChunks; ++step) {
+    uint32_t a[T::kMmaQ][kChunks][4];
+#pragma unroll
+    for (int mq = 0; mq < T::kMmaQ; ++mq) {
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) common::ldmatrix_x4(a[mq][c], q + qc.at(mq, step * kChunks + c) * 8);
+    }
+#pragma unroll
+    for (int mk = 0; mk < T::kMmaKV; ++mk) {
+      uint32_t b[kChunks][4];
+      load_k_fragments<T>(k + kc.at(mk, step) * T::kKVPerCell, b);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int mq = 0; mq < T::kMmaQ; ++mq) {
+          common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][0]), a[mq][c], b[c][0], b[c][1]);
+          common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][4]), a[mq][c], b[c][2], b[c][3]);
+        }
+      }
+    }
+  }
+}
+
+// o += P . V for this warp's rows. P arrives as base-2 probabilities in the score fragment; C
+// fragment pairs (e, e + 1) are exactly the A fragment registers of the P.V mma.
+template <typename T>
+__device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int warp_kv,
+                                              const float (&s)[T::kMmaQ][T::kMmaKV][8], PrefillState<T>& st) {
+  using DType = typename T::DTypeMma;
+  constexpr int kChunks = T::kChunksPerLoad;
+  const int lane = threadIdx.x % 32;
+  // V, transposed: matrices (kv 0-7, cell 0), (kv 8-15, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 1).
+  const LaneCells<T::kRowCellsVO> vc(warp_kv * T::kMmaKV * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+#pragma unroll
+  for (int mk = 0; mk < T::kMmaKV; ++mk) {
+    uint32_t a[T::kMmaQ][4];
+#pragma unroll
+    for (int mq = 0; mq < T::kMmaQ; ++mq) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[mq][r] = common::pack2<DType>(s[mq][mk][2 * r], s[mq][mk][2 * r + 1]);
+    }
+#pragma unroll
+    for (int step = 0; step < T::kMmaDVO / kChunks; ++step) {
+      uint32_t b[kChunks][4];
+      load_v_fragments<T>(v + vc.at(mk, step) * T::kKVPerCell, b);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int mq = 0; mq < T::kMmaQ; ++mq) {
+          float(&o_mq)[8] = st.o[mq][step * kChunks + c];
+          common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[0]), a[mq], b[c][0], b[c][1]);
+          common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[4]), a[mq], b[c][2], b[c][3]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace attnforge::fa2

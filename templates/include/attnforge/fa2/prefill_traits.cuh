@@ -1,0 +1,112 @@
+// Role: the FA2 prefill kernel's compile-time configuration (PrefillTraits): dtypes, the tile shape
+//   (kCtaTileQ packed q rows by kTileKV keys), the warp split, the copy geometry and the
+//   shared-memory layout; and the position-encoding tags (PosEncoding).
+//
+// Contract:
+//   - Every size the prefill headers use is chosen here, beside the reason for it; the other
+//     headers read these constants and pick none of their own.
+//   - The static_asserts reject a composition the codegen rules should have kept out, naming the
+//     rule where one exists.
+//   - Shared memory: one Q tile, one K tile and one V tile, each 128B-XOR-swizzled in rows of whole
+//     128-byte lines; the paged row offsets of the current and the next KV tile; and, for the
+//     column split (kWarpsKV > 1), the warps' (m, d, o) states, which overwrite the tiles once the
+//     last one is consumed. kMinCtasPerSm (two) CTAs must fit one SM.
+//
+// Must not: hold device code, or read Params (it only carries the type).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_fp16.h>
+
+#include "../common/swizzle.cuh"
+
+namespace attnforge::fa2 {
+
+enum PosEncoding : int { kPosNone = 0, kPosRopeLlama = 1, kPosAlibi = 2 };
+
+template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
+          int kCtaTileQ_, bool kPagedKV_, bool kSoftCap_, bool kSlidingWindow_, bool kCustomMask_, int kPosEncoding_>
+struct PrefillTraits {
+  using Params = Params_;
+  using DTypeQ = DTypeQ_;
+  using DTypeKV = DTypeKV_;
+  using DTypeO = DTypeO_;
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr int kHeadDimVO = kHeadDimVO_;
+  static constexpr int kCtaTileQ = kCtaTileQ_;
+  static constexpr bool kPagedKV = kPagedKV_;
+  static constexpr bool kSoftCap = kSoftCap_;
+  static constexpr bool kSlidingWindow = kSlidingWindow_;
+  static constexpr bool kCustomMask = kCustomMask_;
+  static constexpr int kPosEncoding = kPosEncoding_;
+
+  static constexpr bool kFp8KV = sizeof(DTypeKV) == 1;
+  // The MMAs' 16-bit type: q's, or fp16 for an fp8 cache (which fp16 holds exactly, one cvt per
+  // pair on sm89+; bf16 would take three more instructions per pair, per warp that reads it).
+  using DTypeMma = std::conditional_t<kFp8KV, half, DTypeQ>;
+  static_assert(std::is_same_v<DTypeQ, DTypeKV> || kFp8KV,
+                "prefill dtypes: kv is q's 16-bit type or fp8 (rules mixed-16bit-qkv, fa2-no-fp8-q)");
+  static_assert(sizeof(DTypeQ) == 2 && sizeof(DTypeO) == 2, "prefill dtypes: q and o are half or bf16 (fa2-no-fp8-q)");
+  static_assert(!kFp8KV || kPosEncoding != kPosRopeLlama,
+                "prefill fp8 KV: no in-kernel RoPE, K stays fp8 in shared memory (rule fa2-fp8-kv-no-rope)");
+  static_assert(kCtaTileQ == 16 || kCtaTileQ == 64 || kCtaTileQ == 128, "prefill tile: kCtaTileQ is 16, 64 or 128");
+  static_assert(kHeadDimQK % 64 == 0 && kHeadDimVO % 64 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
+                "prefill head dims: 64, 128, 192 or 256 (a row must fill whole 128-byte swizzle lines)");
+  // rule fa2-prefill-tile: 128-row tiles only below head dim 256, where the o accumulator
+  // (2 x kHeadDimVO / 2 floats per thread) still fits the register file.
+  static_assert(kCtaTileQ < 128 || kHeadDimVO < 256, "prefill tile: kCtaTileQ 128 needs head_dim_vo < 256");
+
+  static constexpr int kThreads = 128;
+  static constexpr int kWarps = 4;
+  static constexpr int kWarpsQ = kCtaTileQ == 16 ? 1 : 4;  // warps along q rows
+  static constexpr int kWarpsKV = kWarps / kWarpsQ;         // warps along kv columns
+  static constexpr int kMmaQ = kCtaTileQ / (16 * kWarpsQ);  // m16 row blocks per warp
+  static constexpr int kMmaDQK = kHeadDimQK / 16;
+  static constexpr int kMmaDVO = kHeadDimVO / 16;
+  // n16 kv blocks per warp: the score fragment (kMmaQ x kMmaKV x 8 floats) stays <= 64 registers
+  // beside the o fragment, and Q + K + V tiles stay <= ~110 KB so two CTAs share an SM. An fp8
+  // decode-shaped tile takes twice the keys: as many bytes per tile as a 16-bit one.
+  static constexpr int kMmaKV = kWarpsKV == 4 ? (kHeadDimQK <= 128 ? 2 : 1) * (kFp8KV ? 2 : 1)
+                                : kMmaQ == 2  ? 4
+                                              : (kHeadDimQK <= 128 ? 8 : 4);
+  static constexpr int kTileKV = kMmaKV * kWarpsKV * 16;
+  static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per row of the (16-bit) Q tile
+  static constexpr int kKVPerCell = 16 / int(sizeof(DTypeKV));  // cache elements per 16-byte cell
+  static constexpr int kCopyCellsQK = kHeadDimQK / kKVPerCell;   // 16-byte cells per K row of the cache
+  static constexpr int kCopyCellsVO = kHeadDimVO / kKVPerCell;
+  // K/V tile rows in shared memory: whole 128-byte swizzle lines (an fp8 row of 64 or 192 bytes is
+  // padded; its padding is never copied or read).
+  static constexpr int kRowCellsQK = common::swizzle_row_cells(kCopyCellsQK);
+  static constexpr int kRowCellsVO = common::swizzle_row_cells(kCopyCellsVO);
+  // 16-dim chunks one ldmatrix_x4 of K or V covers (16 keys of 16-byte rows): one of 16-bit
+  // elements, two of fp8.
+  static constexpr int kChunksPerLoad = kFp8KV ? 2 : 1;
+  static constexpr int kMinCtasPerSm = 2;
+  // Without a bias or cap the scores stay raw dot products until the softmax, which folds
+  // sm_scale_log2 into the FFMA ahead of each exp2 (scaling commutes with the max: the scale is > 0).
+  static constexpr bool kRawScores = !kSoftCap && kPosEncoding != kPosAlibi;
+
+  struct Tiles {
+    alignas(16) DTypeMma q[kCtaTileQ * kHeadDimQK];
+    alignas(16) DTypeKV k[kTileKV * kRowCellsQK * kKVPerCell];
+    alignas(16) DTypeKV v[kTileKV * kRowCellsVO * kKVPerCell];
+    int64_t kv_offsets[2][kTileKV];  // global row offsets of the current and the next KV tile
+    unsigned q_abs_max;              // fp8 cache, bf16 q: the bits of the CTA's largest |q|
+  };
+  // Per-warp states of the column-split variant, written once the last V tile is consumed.
+  struct WarpStates {
+    float o[kWarpsKV][16][kHeadDimVO];
+    float m[kWarpsKV][16];
+    float d[kWarpsKV][16];
+  };
+  struct NoWarpStates {};
+  union SharedStorage {
+    Tiles tiles;
+    std::conditional_t<(kWarpsKV > 1), WarpStates, NoWarpStates> states;
+  };
+  static_assert(sizeof(SharedStorage) * kMinCtasPerSm <= 227 * 1024, "prefill smem: kMinCtasPerSm CTAs must fit one SM");
+};
+
+}  // namespace attnforge::fa2
