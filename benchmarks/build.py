@@ -10,6 +10,8 @@ import sys
 import tempfile
 import time
 
+from . import _record
+
 _BUILD = """
 from attnforge.codegen.dtypes import DType
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind
@@ -28,16 +30,47 @@ def cold_build_seconds(head_dim: int, arch: str) -> float:
         return time.perf_counter() - started
 
 
-def main(argv=None) -> int:
+def nvcc_version() -> str:
+    """nvcc's release line ("Cuda compilation tools, release 13.0, V13.0.88"), or "unknown"."""
+    from attnforge.settings import settings
+
+    nvcc = settings().nvcc
+    try:
+        done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30) if nvcc else None
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    lines = done.stdout.strip().splitlines() if done and done.returncode == 0 else []
+    return next((line for line in lines if "release" in line), lines[-1] if lines else "unknown")
+
+
+def config() -> dict:
+    """What the JSON record says about the builds."""
+    return dict(what="render + nvcc + link into an empty cache, in a fresh process (its start included)",
+                cpu_count=os.cpu_count(), nvcc=nvcc_version())
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser(prog="attnforge bench build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[128])
     parser.add_argument("--arch", nargs="+", default=["90a"], help="compile targets, e.g. 80 90a")
-    args = parser.parse_args(argv)
+    _record.add_out_option(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     print("| module | arch | cold build (s), incl. process start |")
     print("|---|---|---|")
+    rows = []
     for head_dim in args.head_dim:
         for arch in args.arch:
-            print(f"| decode fa2 bf16 hd{head_dim} | sm_{arch} | {cold_build_seconds(head_dim, arch):.1f} |")
+            row = dict(module=f"decode fa2 bf16 hd{head_dim}", kind="decode", backend="fa2", dtype="bf16",
+                       head_dim=head_dim, arch=f"sm_{arch}", cold_build_s=cold_build_seconds(head_dim, arch))
+            rows.append(row)
+            print(f"| {row['module']} | {row['arch']} | {row['cold_build_s']:.1f} |")
+    if args.out:
+        _record.write(args.out, "build", argv, config(), tables=dict(build=rows))
     return 0
 
 

@@ -20,7 +20,6 @@ in the same process, counting read + write bytes. The SDPA peers get a dense bf1
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -30,6 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from . import _record
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
@@ -40,6 +40,7 @@ DTYPE = torch.bfloat16
 KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 PLAN_BATCHES = (1, 64, 256)
 PLAN_KV_LEN = 4096
+PLAN_CALLS = 200
 
 
 def parse_args(argv):
@@ -54,7 +55,7 @@ def parse_args(argv):
     p.add_argument("--flush-l2", action="store_true", help="write 512 MB between timed calls")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")
-    p.add_argument("--out", help="also write the results as JSON to this file")
+    _record.add_out_option(p)
     return p.parse_args(argv)
 
 
@@ -179,13 +180,15 @@ class Row:
     pct_copy_bw: float
     cudnn_us: float | None
     flash_us: float | None
-    ratio_vs_cudnn: float | None
+    ratio_vs_cudnn: float | None  # time, ours / cuDNN's
     speedup_vs_bf16_kv: float | None = None
     notes: str = ""
+    cudnn_max_abs_vs_ours: float | None = None  # the peer's output against ours, same contents
+    flash_max_abs_vs_ours: float | None = None
 
 
-def verify(problem: Problem, layout: str) -> None:
-    """Ours vs attnforge.reference on this problem; raises AssertionError when wrong."""
+def verify(problem: Problem, layout: str) -> dict:
+    """Ours vs attnforge.reference on this problem: {max_abs, rel_l2}; raises AssertionError when wrong."""
     from attnforge import reference
 
     run, out = attnforge_decode(problem, layout)
@@ -195,9 +198,11 @@ def verify(problem: Problem, layout: str) -> None:
     o_ref, _ = reference.batch_decode_paged(
         problem.q, cache, problem.indptr, problem.indices, problem.last_page_len, kv_layout=layout
     )
-    err = (out.float() - o_ref).abs().max().item()
+    diff = out.float() - o_ref.float()
+    err = diff.abs().max().item()
     if not math.isfinite(err) or err > 2e-2:
         raise AssertionError(f"attnforge decode disagrees with the reference: max |error| = {err}")
+    return dict(max_abs=err, rel_l2=(diff.norm() / o_ref.float().norm().clamp_min(1e-30)).item())
 
 
 def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush) -> Row:
@@ -207,15 +212,15 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
     run, out = attnforge_decode(problem, args.layout)
     us = time_cuda_us(run, args.iters, args.warmup, flush)
     gbps = problem.bytes_moved / (us * 1e3)
-    peers, notes = {}, []
+    peers, errors, notes = {}, {}, []
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        peers[name] = None
+        peers[name] = errors[name] = None
         if args.no_peers or kv_name != "bf16":
             continue
         try:
             peer_run, peer_out = sdpa_decode(problem, backend)
             # same contents, same maths: a mismatch means the comparison is not like for like
-            err = (peer_out.float() - out.float()).abs().max().item()
+            err = errors[name] = (peer_out.float() - out.float()).abs().max().item()
             if err > 5e-2:
                 notes.append(f"{name} output differs from ours by {err:.3g}")
             peers[name] = time_cuda_us(peer_run, args.iters, args.warmup, flush)
@@ -226,10 +231,11 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
     return Row(
         kv_name, batch, kv_len, us, gbps, 100.0 * gbps / copy_gbps, peers["cudnn"], peers["flash"],
         us / peers["cudnn"] if peers["cudnn"] else None, notes="; ".join(notes),
+        cudnn_max_abs_vs_ours=errors["cudnn"], flash_max_abs_vs_ours=errors["flash"],
     )
 
 
-def plan_host_us(batch: int, layout: str, calls: int = 200) -> float:
+def plan_host_us(batch: int, layout: str, calls: int = PLAN_CALLS) -> float:
     """Median host time of one plan() call at kv_len 4096 (after warm-up)."""
     import attnforge
 
@@ -282,8 +288,18 @@ def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float
     return "\n".join(lines)
 
 
+def config(args) -> dict:
+    """What the JSON record says about the problem and the method."""
+    return dict(dtype="bf16", kv_dtypes=args.kv_dtype, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
+                head_dim=HEAD_DIM, page_size=PAGE_SIZE, layout=args.layout, iters=args.iters, warmup=args.warmup,
+                settle_s=SETTLE_SECONDS, l2_flush=args.flush_l2, timer="CUDA events per call, median",
+                bytes="q + K + V + o", copy="4 GiB D2D copy, read + write",
+                peers="torch SDPA cuDNN and FLASH on a dense bf16 cache", plan_kv_len=PLAN_KV_LEN)
+
+
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("attnforge bench decode: needs a CUDA device", file=sys.stderr)
         return 2
@@ -292,9 +308,11 @@ def main(argv=None) -> int:
     # correctness first, on the smallest config of each kv dtype; the wall time also shows the cold builds
     t0 = time.perf_counter()
     smallest = min(configs, key=lambda c: c[0] * c[1])
+    checks = []
     try:
         for kv_name in args.kv_dtype:
-            verify(make_problem(*smallest, args.layout, KV_DTYPES[kv_name]), args.layout)
+            errors = verify(make_problem(*smallest, args.layout, KV_DTYPES[kv_name]), args.layout)
+            checks.append(dict(kv_dtype=kv_name, batch=smallest[0], kv_len=smallest[1], **errors))
     except AssertionError as exc:
         print(f"CORRECTNESS CHECK FAILED ({kv_name} KV), not timing: {exc}", file=sys.stderr)
         return 1
@@ -313,21 +331,11 @@ def main(argv=None) -> int:
 
     print(markdown(rows, copy_gbps, plans, first_call_s))
     if args.out:
-        report = dict(
-            device=torch.cuda.get_device_name(),
-            torch=torch.__version__,
-            shape=dict(dtype="bfloat16", kv_dtypes=args.kv_dtype, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
-                       head_dim=HEAD_DIM, page_size=PAGE_SIZE, layout=args.layout),
-            method=dict(timer="CUDA events per call, median", iters=args.iters, warmup=args.warmup,
-                        settle_s=SETTLE_SECONDS,
-                        l2_flush=args.flush_l2, bytes="q + K + V + o", copy="4 GiB D2D copy, read + write"),
-            copy_bandwidth_gbps=copy_gbps,
-            first_plan_run_s=first_call_s,
-            rows=[asdict(r) for r in rows],
-            plan_host_us={str(b): us for b, us in plans.items()},
-        )
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        _record.write(args.out, "decode", argv, config(args), tables=dict(
+            decode=[asdict(r) for r in rows],
+            plan=[dict(batch=b, kv_len=PLAN_KV_LEN, calls=PLAN_CALLS, us=us) for b, us in plans.items()],
+            check=checks,
+        ), copy_bandwidth_gbps=copy_gbps, first_plan_run_s=first_call_s)
     return 0
 
 

@@ -22,7 +22,6 @@ a NaN or a relative L2 error above 5e-2 stops the run (exit 1) instead of timing
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -31,7 +30,7 @@ import torch
 
 from attnforge.codegen.rules import FA3_FP8_PREFILL_HEAD_DIMS
 
-from . import decode, prefill
+from . import _record, decode, prefill
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 from .decode import _fmt
 
@@ -72,7 +71,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA cuDNN peer")
     p.add_argument("--no-decode", action="store_true", help="skip the fp8-KV vs bf16-KV decode table")
-    p.add_argument("--out", help="also write the results as JSON to this file")
+    _record.add_out_option(p)
     return p.parse_args(argv)
 
 
@@ -134,6 +133,7 @@ class PrefillRow:
     rel_l2: float  # fp8 vs bf16 output, the worse of paged and ragged
     max_abs: float
     notes: str = ""
+    cudnn_rel_l2_vs_bf16: float | None = None  # the peer against our bf16 output, same contents
 
     @property
     def fp8_vs_bf16(self) -> float:
@@ -157,13 +157,14 @@ def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, arg
     rel_l2, max_abs = checked_once(runs, "bf16 ragged", f"fa3 prefill {batch}x{length} hd {h.dim} causal={causal}")
     flops = prefill.flop_count(batch, length, h, causal)
     tflops = {key: flops / (time_cuda_us(run, args.iters, args.warmup) * 1e6) for key, (run, _) in runs.items()}
-    notes = []
+    notes, errors = [], {}
     cudnn_us = prefill.sdpa_peer_us(bf16, batch, causal, "cudnn", SDPBackend.CUDNN_ATTENTION, runs["bf16 ragged"][1],
-                                    args, notes)
+                                    args, notes, errors)
     del fp8, bf16, runs
     torch.cuda.empty_cache()
     return PrefillRow(batch, length, h.dim, causal, tflops["fp8 paged"], tflops["fp8 ragged"], tflops["bf16 ragged"],
-                      flops / (cudnn_us * 1e6) if cudnn_us else None, rel_l2, max_abs, "; ".join(notes))
+                      flops / (cudnn_us * 1e6) if cudnn_us else None, rel_l2, max_abs, "; ".join(notes),
+                      errors.get("cudnn"))
 
 
 def prefill_rows(args) -> list[PrefillRow]:
@@ -352,8 +353,22 @@ def markdown(rows: list[PrefillRow], decode_results: list[DecodeRow], copy_gbps:
     return "\n\n".join("\n".join(lines) for lines in tables)
 
 
+def config(args) -> dict:
+    """What the JSON record says about the problems and the method."""
+    heads = {str(dim): dict(zip(("num_qo_heads", "num_kv_heads"), prefill.HEADS_BY_HEAD_DIM[dim]))
+             for dim in args.head_dims}
+    return dict(fp8_dtype="e4m3", o_dtype="bf16", scales=asdict(SCALES), heads_by_head_dim=heads,
+                page_size=prefill.PAGE_SIZE, iters=args.iters, warmup=args.warmup, settle_s=SETTLE_SECONDS,
+                max_rel_l2=MAX_REL_L2, timer="CUDA events per call, median",
+                flops="4 * B * L^2 * Hq * D, halved for causal, for every dtype",
+                peers="our bf16 kernels and torch SDPA cuDNN bf16 on the dequantized values",
+                decode=dict(batch=prefill.DECODE_BATCH, kv_len=prefill.DECODE_KV_LEN, num_kv_heads=decode.NUM_KV_HEADS,
+                            head_dim=decode.HEAD_DIM, page_size=decode.PAGE_SIZE, groups=list(prefill.DECODE_GROUPS)))
+
+
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("attnforge bench fp8: needs a CUDA device", file=sys.stderr)
         return 2
@@ -367,11 +382,10 @@ def main(argv=None) -> int:
         return 1
     print(markdown(rows, decode_results, copy_gbps, kv_rows))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_gbps=copy_gbps,
-                           scales=asdict(SCALES), rows=[asdict(r) for r in rows],
-                           fa2_fp8_kv_prefill=[asdict(r) for r in kv_rows],
-                           decode=[asdict(r) for r in decode_results]), f, indent=2)
+        _record.write(args.out, "fp8", argv, config(args), tables=dict(
+            fa3_prefill=[asdict(r) for r in rows], fa2_fp8_kv_prefill=[asdict(r) for r in kv_rows],
+            decode=[asdict(r) for r in decode_results],
+        ), copy_bandwidth_gbps=copy_gbps)
     return 0
 
 

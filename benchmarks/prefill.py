@@ -18,7 +18,6 @@ Method: CUDA events around each call, median after warm-up, no L2 flush.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from . import _record
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
@@ -59,7 +59,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-decode", action="store_true", help="skip the tensor-core vs CUDA-core decode table")
-    p.add_argument("--out", help="also write the results as JSON to this file")
+    _record.add_out_option(p)
     return p.parse_args(argv)
 
 
@@ -158,14 +158,16 @@ PEER_MAX_REL_L2 = 1e-2
 
 
 def sdpa_peer_us(problem: Problem, batch: int, causal: bool, name: str, backend, ours_out: torch.Tensor, args,
-                 notes: list) -> float | None:
+                 notes: list, errors: dict | None = None) -> float | None:
     """SDPA pinned to one backend: microseconds, or None with the reason in notes (a refusing backend
-    is reported, not fatal)."""
+    is reported, not fatal). errors[name] gets the peer's relative L2 against ours_out."""
     if args.no_peers:
         return None
     try:
         run, peer_out = sdpa(problem, batch, causal, backend)
         rel_l2, _ = error_stats(peer_out, ours_out)
+        if errors is not None:
+            errors[name] = rel_l2
         if not rel_l2 <= PEER_MAX_REL_L2:
             notes.append(f"{name} output differs from ours by relative L2 {rel_l2:.3g}")
         return time_cuda_us(run, args.iters, args.warmup)
@@ -189,13 +191,23 @@ class Row:
     cudnn_tflops: float | None
     flash_tflops: float | None
     notes: str = ""
+    fa3_paged_us: float | None = None
+    fa3_ragged_us: float | None = None
+    cudnn_rel_l2_vs_ours: float | None = None  # the peer against our fa2 ragged output, same contents
+    flash_rel_l2_vs_ours: float | None = None
+    ours_max_abs_spread: float | None = None  # fa2/fa3 paged/ragged outputs against fa2 ragged's
 
 
-def verify() -> None:
-    """Ours vs attnforge.reference on a small ragged batch, paged and ragged, causal and not."""
+VERIFY_BATCH, VERIFY_LENGTH = 3, 300
+
+
+def verify() -> list[dict]:
+    """Ours vs attnforge.reference on a small ragged batch, paged and ragged, causal and not: one
+    {backend, paged, causal, max_abs, rel_l2} per kernel; AssertionError when one is wrong."""
     from attnforge import reference
 
-    problem = make_problem(3, 300, seed=1)
+    checks = []
+    problem = make_problem(VERIFY_BATCH, VERIFY_LENGTH, seed=1)
     for causal in (False, True):
         o_ref, _ = reference.batch_prefill_ragged(problem.q, problem.k, problem.v, problem.qo_indptr,
                                                   problem.qo_indptr, causal=causal)
@@ -204,10 +216,12 @@ def verify() -> None:
                 run, out = ours(problem, causal, paged, backend)
                 out.fill_(math.nan)
                 run()
-                err = (out.float() - o_ref.float()).abs().max().item()
+                rel_l2, err = error_stats(out, o_ref)
                 if not math.isfinite(err) or err > 2e-2:
                     raise AssertionError(f"{backend} prefill (causal={causal}, paged={paged}) disagrees with the "
                                          f"reference: max |error| = {err}")
+                checks.append(dict(backend=backend, paged=paged, causal=causal, max_abs=err, rel_l2=rel_l2))
+    return checks
 
 
 def flop_count(batch: int, length: int, h: Heads, causal: bool) -> float:
@@ -228,17 +242,19 @@ def measure(batch: int, length: int, h: Heads, causal: bool, args) -> Row:
             times[backend, paged] = time_cuda_us(run, args.iters, args.warmup)
     notes = []
     reference_out = outs["fa2", False]
-    if any((o.float() - reference_out.float()).abs().max().item() > 2e-2 for o in outs.values()):
+    spread = max((o.float() - reference_out.float()).abs().max().item() for o in outs.values())
+    if spread > 2e-2:
         notes.append("fa2/fa3 paged/ragged outputs differ")
-    peers = {}
+    peers, errors = {}, {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        us = sdpa_peer_us(problem, batch, causal, name, backend, reference_out, args, notes)
+        us = sdpa_peer_us(problem, batch, causal, name, backend, reference_out, args, notes, errors)
         peers[name] = tflops(us) if us else None
     del problem
     torch.cuda.empty_cache()
     fa3 = {paged: tflops(times["fa3", paged]) if ("fa3", paged) in times else None for paged in (True, False)}
     return Row(batch, length, h.dim, causal, times["fa2", True], times["fa2", False], tflops(times["fa2", True]),
-               tflops(times["fa2", False]), fa3[True], fa3[False], peers["cudnn"], peers["flash"], "; ".join(notes))
+               tflops(times["fa2", False]), fa3[True], fa3[False], peers["cudnn"], peers["flash"], "; ".join(notes),
+               times.get(("fa3", True)), times.get(("fa3", False)), errors.get("cudnn"), errors.get("flash"), spread)
 
 
 # (column, use_tensor_cores, backend) of the decode table
@@ -303,13 +319,26 @@ def markdown(rows: list[Row], decode: list[dict], copy_gbps: float) -> str:
     return "\n".join(lines)
 
 
+def config(args) -> dict:
+    """What the JSON record says about the problems and the method."""
+    heads = {str(dim): dict(num_qo_heads=qo, num_kv_heads=kv) for dim, (qo, kv) in HEADS_BY_HEAD_DIM.items()}
+    return dict(dtype="bf16", heads_by_head_dim=heads, page_size=PAGE_SIZE, backends=list(BACKENDS),
+                iters=args.iters, warmup=args.warmup, settle_s=SETTLE_SECONDS, l2_flush=False,
+                timer="CUDA events per call, median", flops="4 * B * L^2 * Hq * D, halved for causal",
+                peers="torch SDPA cuDNN and FLASH on dense [B, H, L, D] tensors of the same contents",
+                check_shape=f"{VERIFY_BATCH} x {VERIFY_LENGTH}",
+                decode=dict(batch=DECODE_BATCH, kv_len=DECODE_KV_LEN, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                            groups=list(DECODE_GROUPS), paths=[key for key, _, _ in DECODE_PATHS]))
+
+
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("attnforge bench prefill: needs a CUDA device", file=sys.stderr)
         return 2
     try:
-        verify()
+        checks = verify()
     except AssertionError as exc:
         print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
         return 1
@@ -319,9 +348,9 @@ def main(argv=None) -> int:
     decode = [] if args.no_decode else decode_rows(args, copy_gbps)
     print(markdown(rows, decode, copy_gbps))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_gbps=copy_gbps,
-                           rows=[asdict(r) for r in rows], decode=decode), f, indent=2)
+        _record.write(args.out, "prefill", argv, config(args),
+                      tables=dict(prefill=[asdict(r) for r in rows], tensor_core_decode=decode, check=checks),
+                      copy_bandwidth_gbps=copy_gbps)
     return 0
 
 

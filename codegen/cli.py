@@ -7,6 +7,7 @@ a rule refuses. Errors are one line; a traceback would mean a bug in attnforge, 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import pkgutil
 import sys
@@ -225,12 +226,33 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _benchmarks() -> list[str]:
+def _benchmark_modules() -> list[pkgutil.ModuleInfo]:
     try:
         package = importlib.import_module("attnforge.benchmarks")
     except ImportError:
         return []
-    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+    return sorted((m for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")),
+                  key=lambda m: m.name)
+
+
+def _benchmarks() -> list[str]:
+    return [m.name for m in _benchmark_modules()]
+
+
+def _summary(info: pkgutil.ModuleInfo) -> str:
+    """A benchmark module's docstring up to its first colon, read without importing the module (that imports
+    torch): "Batch decode benchmark"."""
+    try:
+        spec = info.module_finder.find_spec(info.name)
+        doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or ""
+    except (AttributeError, OSError, SyntaxError, TypeError, ValueError):
+        return ""
+    return doc.split("\n\n")[0].replace("\n", " ").split(": ")[0].rstrip(".")
+
+
+def _bench_epilog() -> str:
+    lines = [f"  {m.name:<8} {_summary(m)}" for m in _benchmark_modules()]
+    return "available benchmarks:\n" + ("\n".join(lines) or "  none (attnforge.benchmarks is not installed)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -279,9 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", type=_enum(Backend), metavar="BACKEND", help="only this backend (fa2 or fa3)")
     p.add_argument("--supported-only", action="store_true", help="omit refused combinations")
 
-    p = add("bench", cmd_bench, "Run a benchmark from attnforge.benchmarks; the remaining arguments go to it.",
-            "attnforge bench decode --help")
-    p.add_argument("name", help="benchmark name, e.g. decode")
+    p = add("bench", cmd_bench, "Run a benchmark from attnforge.benchmarks; the remaining arguments go to it. "
+            "Each writes its tables to stdout and, with --out F.json, a JSON record; `report` renders "
+            "docs/benchmarks.md from those records.",
+            "attnforge bench decode --out bench-decode.json\n"
+            "  attnforge bench report bench-*.json --output docs/benchmarks.md\n\n" + _bench_epilog())
+    p.add_argument("name", help="benchmark name, e.g. decode (listed below)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 

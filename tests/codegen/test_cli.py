@@ -135,3 +135,25 @@ def test_help_explains_specs_and_gives_examples(capsys):
     for command in ("generate", "validate", "list", "matrix", "bench"):
         assert main([command, "--help"]) == 0
         assert f"attnforge {command}" in capsys.readouterr().out.split("example:")[1]
+
+
+def test_bench_help_lists_the_benchmarks_and_report(capsys):
+    assert main(["bench", "--help"]) == 0
+    listed = capsys.readouterr().out.split("available benchmarks:")[1]
+    names = [line.split()[0] for line in listed.strip().splitlines()]
+    assert names == ["build", "decode", "fp8", "prefill", "report"]
+    assert "Batch decode benchmark" in listed
+
+
+def test_bench_report_renders_a_record(tmp_path, capsys):
+    import json
+
+    record = {"schema": 1, "benchmark": "build", "date": "2026-12-03T10:11:12Z", "gpu": "NVIDIA H200",
+              "commit": "unknown", "attnforge_version": "0.1.0", "torch": "2.11.0", "cuda": "13.0",
+              "config": {"what": "cold", "cpu_count": 16, "nvcc": "13.0"},
+              "tables": {"build": [{"module": "decode fa2 bf16 hd128", "arch": "sm_90a", "cold_build_s": 4.4}]}}
+    path = tmp_path / "bench-build.json"
+    path.write_text(json.dumps(record))
+    assert main(["bench", "report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Benchmarks") and "| decode fa2 bf16 hd128 | sm_90a | 4.4 |" in out

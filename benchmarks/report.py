@@ -1,0 +1,311 @@
+"""Render docs/benchmarks.md from benchmark JSON: one section per workload family, each table with its
+run's date, GPU and commit, the same-run peers and the ratios.
+
+    attnforge bench report bench-build.json bench-decode.json bench-prefill.json bench-fp8.json \\
+        [--output docs/benchmarks.md]
+
+The JSON files are what `attnforge bench {build,decode,prefill,fp8} --out F.json` writes (one of each at
+most, in any order). The output is a function of their contents and file names only (no clock, no
+paths), so the same files always give the same text. A family whose file is not given is left out,
+with a note on stderr. Exit status 2 for a file that is not such a record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _record
+
+BENCHMARKS = ("build", "decode", "prefill", "fp8")  # the order of the header's file list
+WIDTH = 100
+BACKEND_NAMES = {"fa2": "fa2 (mma.sync)", "fa3": "fa3 (wgmma, TMA)"}
+
+
+@dataclass(frozen=True)
+class Run:
+    file: str  # base name, as the header lists it
+    doc: dict
+
+    def __getitem__(self, key):
+        return self.doc[key]
+
+    def table(self, name: str) -> list[dict]:
+        return self.doc["tables"].get(name, [])
+
+
+class ReportError(Exception):
+    """A file that is not a benchmark record this report understands."""
+
+
+def load(paths: list[str]) -> dict[str, Run]:
+    runs = {}
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ReportError(f"{path}: {exc}") from None
+        name = doc.get("benchmark") if isinstance(doc, dict) else None
+        if name not in BENCHMARKS or doc.get("schema") != _record.SCHEMA or "tables" not in doc:
+            raise ReportError(f"{path}: not a schema-{_record.SCHEMA} record of one of {', '.join(BENCHMARKS)} "
+                              "(written by `attnforge bench NAME --out`)")
+        if name in runs:
+            raise ReportError(f"{path}: a second {name} record (first: {runs[name].file})")
+        runs[name] = Run(os.path.basename(path), doc)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------
+# cells
+
+
+def num(x, spec: str = ".1f") -> str:
+    return "n/a" if x is None else "NaN" if isinstance(x, float) and math.isnan(x) else format(x, spec)
+
+
+def faster(ours, peer, spec: str = ".2f", times: bool = False) -> str:
+    """How many times faster ours is than peer: a rate ratio, or the inverse ratio of times."""
+    if not ours or not peer:
+        return "n/a"
+    return format(peer / ours if times else ours / peer, spec)
+
+
+def table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """A markdown table; the first `left` columns left-aligned, the rest right-aligned (numbers)."""
+    align = ["---"] * left + ["---:"] * (len(header) - left)
+    return [f"| {' | '.join(cells)} |" for cells in (header, align, *rows)]
+
+
+def shape(r: dict, run: Run) -> list[str]:
+    """The batch x len, head dim (q/kv heads) and causal cells of a prefill row."""
+    h = run["config"]["heads_by_head_dim"][str(r["head_dim"])]
+    return [f"{r['batch']} x {r['length']}", f"{r['head_dim']} ({h['num_qo_heads']}/{h['num_kv_heads']})",
+            "yes" if r["causal"] else "no"]
+
+
+def label(r: dict) -> str:
+    """A prefill row named in a note."""
+    return f"{r['batch']} x {r['length']} hd {r['head_dim']}" + (" causal" if r["causal"] else "")
+
+
+def run_line(run: Run) -> str:
+    date = run["date"].replace("T", " ").rstrip("Z")[:16]
+    commit = run["commit"] if run["commit"] == "unknown" else f"`{run['commit'][:10]}`"
+    return (f"Run `{run.file}`: {date} UTC, {run['gpu']}, commit {commit}, attnforge {run['attnforge_version']}, "
+            f"torch {run['torch']}, CUDA {run['cuda']}.")
+
+
+def notes(rows: list[dict], label) -> list[str]:
+    found = [f"- {label(r)}: {r['notes']}" for r in rows if r.get("notes")]
+    return ["", "Notes:", *found] if found else []
+
+
+def worst(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+# ---------------------------------------------------------------------------------------
+# the families
+
+
+def decode_section(runs: dict[str, Run]) -> list[str]:
+    """bench decode's table and plan() times, then bench prefill's CUDA-core vs tensor-core decode."""
+    parts = []
+    if "decode" in runs:
+        parts.append(decode_table(runs["decode"]))
+    if "prefill" in runs and runs["prefill"].table("tensor_core_decode"):
+        parts.append(tensor_core_table(runs["prefill"]))
+    return [line for i, part in enumerate(parts) for line in [""] * (i > 0) + part]
+
+
+def decode_table(run: Run) -> list[str]:
+    c, rows = run["config"], run.table("decode")
+    fp8_rows = any(r["kv_dtype"] != "bf16" for r in rows)
+    checks = "; ".join(f"{k['kv_dtype']} KV {k['batch']} x {k['kv_len']}: max abs {num(k['max_abs'], '.1e')}, "
+                       f"rel L2 {num(k['rel_l2'], '.1e')}" for k in run.table("check"))
+    peer_err = worst(r.get(f"{p}_max_abs_vs_ours") for r in rows for p in ("cudnn", "flash"))
+    lines = [run_line(run), "",
+             f"Batch decode, {c['dtype']} q, {c['num_qo_heads']} q / {c['num_kv_heads']} kv heads, hd "
+             f"{c['head_dim']}, page {c['page_size']}, {c['layout']}, every request `kv len` tokens on pages "
+             f"scattered at random. GB/s counts {c['bytes']} once; copy bandwidth "
+             f"{num(run['copy_bandwidth_gbps'], '.0f')} GB/s ({c['copy']}). SDPA runs on a dense bf16 cache of the "
+             "same contents" + (f" (its outputs within {num(peer_err, '.1e')} max abs of ours)" if peer_err else "")
+             + (f". Checked against attnforge.reference before timing ({checks})" if checks else "") + ".", ""]
+    header = ["kv dtype", "batch", "kv len", "ours (µs)", "GB/s", "% copy BW", "SDPA cuDNN (µs)", "SDPA FLASH (µs)",
+              "speed-up vs cuDNN", "speed-up vs FLASH"] + ["speed-up vs bf16 KV"] * fp8_rows
+    body = [[r["kv_dtype"], str(r["batch"]), str(r["kv_len"]), num(r["us"]), num(r["gbps"], ".0f"),
+             num(r["pct_copy_bw"]), num(r["cudnn_us"]), num(r["flash_us"]),
+             faster(r["us"], r["cudnn_us"], ".3f", times=True), faster(r["us"], r["flash_us"], ".3f", times=True)]
+            + [num(r["speedup_vs_bf16_kv"], ".2f")] * fp8_rows for r in rows]
+    lines += table(header, body) + notes(rows, lambda r: f"{r['kv_dtype']} {r['batch']} x {r['kv_len']}")
+    plans = run.table("plan")
+    if plans:
+        lines += ["", f"plan() host time, median of {plans[0]['calls']} calls at kv len {plans[0]['kv_len']}: "
+                  + ", ".join(f"batch {p['batch']} {num(p['us'])} µs" for p in plans) + "."]
+    return lines
+
+
+def tensor_core_table(run: Run) -> list[str]:
+    d, rows = run["config"]["decode"], run.table("tensor_core_decode")
+    names = {"cuda_cores": "CUDA cores", **{f"tensor_cores_{b}": f"tensor cores {b}" for b in BACKEND_NAMES}}
+    lines = [run_line(run), "",
+             f"CUDA-core vs tensor-core decode, batch {d['batch']} x kv {d['kv_len']}, {d['num_kv_heads']} kv heads, "
+             f"hd {d['head_dim']}, bf16, page {run['config']['page_size']}, by GQA group; copy bandwidth "
+             f"{num(run['copy_bandwidth_gbps'], '.0f')} GB/s; max abs diff: the paths' outputs against the CUDA "
+             "cores'.", ""]
+    header = ["GQA group"] + [h for p in d["paths"] for h in (f"{names.get(p, p)} (µs)", "% copy BW")]
+    body = [[str(r["group"])] + [num(r[f"{p}_{u}"]) for p in d["paths"] for u in ("us", "pct_copy_bw")]
+            + [num(r["max_abs_diff"], ".1e")] for r in rows]
+    return lines + table(header + ["max abs diff"], body)
+
+
+def prefill_section(run: Run, backend: str) -> list[str]:
+    c = run["config"]
+    rows = [r for r in run.table("prefill") if backend == "fa2" or r.get("fa3_ragged_tflops") is not None]
+    if backend not in c["backends"] or not rows:
+        return []
+    ours = {"fa2": ("paged_tflops", "ragged_tflops"), "fa3": ("fa3_paged_tflops", "fa3_ragged_tflops")}[backend]
+    # the peer of its generation first: FLASH (FlashAttention-2) for fa2, cuDNN for fa3
+    peers = [("flash", "FLASH"), ("cudnn", "cuDNN")][:: 1 if backend == "fa2" else -1]
+    checks = [k for k in run.table("check") if k["backend"] == backend]
+    peer_err = worst(r.get(f"{p}_rel_l2_vs_ours") for r in rows for p, _ in peers)
+    spread = worst(r.get("ours_max_abs_spread") for r in rows)
+    lines = [run_line(run), "",
+             f"Batch prefill on {BACKEND_NAMES[backend]}, {c['dtype']}, every request L query tokens over the "
+             f"same L kv tokens, paged (page {c['page_size']}, pages scattered at random) and ragged; TFLOP/s "
+             f"counts {c['flops']}. SDPA runs on dense tensors of the same contents"
+             + (f" (its outputs within relative L2 {num(peer_err, '.1e')} of our fa2 ragged one)"
+                if peer_err is not None else "")
+             + (f"; our fa2 and fa3, paged and ragged outputs agree within max abs {num(spread, '.1e')}"
+                if spread is not None else "")
+             + (f". Checked against attnforge.reference before timing ({c['check_shape']}, paged and ragged, causal "
+                f"and not): max abs {num(worst(k['max_abs'] for k in checks), '.1e')}" if checks else "") + ".", ""]
+    header = ["batch x len", "head dim (q/kv heads)", "causal", "paged TFLOP/s", "ragged TFLOP/s"]
+    header += [f"SDPA {label} TFLOP/s" for _, label in peers]
+    header += [f"ragged / {label}" for _, label in peers] + ["paged / ragged"]
+    body = [shape(r, run) + [num(r[ours[0]]), num(r[ours[1]])] + [num(r[f"{p}_tflops"]) for p, _ in peers]
+            + [faster(r[ours[1]], r[f"{p}_tflops"]) for p, _ in peers] + [faster(r[ours[0]], r[ours[1]])]
+            for r in rows]
+    return lines + table(header, body, left=3) + notes(rows, label)
+
+
+def fp8_section(run: Run) -> list[str]:
+    c = run["config"]
+    s = c["scales"]
+    lines = [run_line(run)]
+    rows = run.table("fa3_prefill")
+    if rows:
+        lines += ["", f"fa3 prefill, e4m3 q/k/v (scales q {s['q']:g}, k {s['k']:g}, v {s['v']:g}) -> bf16 o, "
+                  f"against our fa3 bf16 and SDPA cuDNN bf16 on the dequantized values (exact in bf16); TFLOP/s "
+                  f"counts {c['flops']}; rel L2 = the fp8 output against the bf16 one (the worse of paged and "
+                  "ragged).", ""]
+        header = ["batch x len", "head dim (q/kv heads)", "causal", "fp8 paged TFLOP/s", "fp8 ragged TFLOP/s",
+                  "bf16 ragged TFLOP/s", "SDPA cuDNN bf16 TFLOP/s", "fp8 / bf16", "fp8 / cuDNN", "rel L2 vs bf16"]
+        body = [shape(r, run) + [num(r["fp8_paged_tflops"]), num(r["fp8_ragged_tflops"]), num(r["bf16_ragged_tflops"]),
+                            num(r["cudnn_tflops"]), faster(r["fp8_ragged_tflops"], r["bf16_ragged_tflops"]),
+                            faster(r["fp8_ragged_tflops"], r["cudnn_tflops"]), num(r["rel_l2"], ".2e")]
+                for r in rows]
+        lines += table(header, body, left=3) + notes(rows, label)
+    rows = run.table("fa2_fp8_kv_prefill")
+    if rows:
+        lines += ["", f"fa2 prefill, bf16 q over an e4m3 KV cache (k_scale {s['k']:g}, v_scale {s['v']:g}) against "
+                  "the bf16 cache of the same values; ratios and rel L2 of the ragged run.", ""]
+        header = ["batch x len", "head dim (q/kv heads)", "causal", "fp8-KV paged TFLOP/s", "fp8-KV ragged TFLOP/s",
+                  "bf16 ragged TFLOP/s", "fp8-KV / bf16", "rel L2 vs bf16"]
+        body = [shape(r, run) + [num(r["fp8_kv_paged_tflops"]), num(r["fp8_kv_ragged_tflops"]),
+                            num(r["bf16_ragged_tflops"]), faster(r["fp8_kv_ragged_tflops"], r["bf16_ragged_tflops"]),
+                            num(r["rel_l2"], ".2e")] for r in rows]
+        lines += table(header, body, left=3)
+    rows = run.table("decode")
+    if rows:
+        d = c["decode"]
+        lines += ["", f"Decode, batch {d['batch']} x kv {d['kv_len']}, {d['num_kv_heads']} kv heads, hd "
+                  f"{d['head_dim']}, page {d['page_size']}: e4m3 KV against bf16 KV of the same values, by path "
+                  f"and GQA group; copy bandwidth {num(run['copy_bandwidth_gbps'], '.0f')} GB/s.", ""]
+        header = ["path", "GQA group", "bf16 KV (µs)", "% copy BW", "fp8 KV (µs)", "% copy BW", "fp8 speed-up",
+                  "rel L2 vs bf16"]
+        body = [[r["path"], str(r["group"]), num(r["bf16_us"]), num(r["bf16_pct_copy_bw"]), num(r["fp8_us"]),
+                 num(r["fp8_pct_copy_bw"]), faster(r["fp8_us"], r["bf16_us"], times=True), num(r["rel_l2"], ".2e")]
+                for r in rows]
+        lines += table(header, body)
+    return lines if len(lines) > 1 else []
+
+
+def build_section(run: Run) -> list[str]:
+    c, rows = run["config"], run.table("build")
+    return [run_line(run), "", f"Cold build: {c['what']}; {c['cpu_count']} CPUs, nvcc: {c['nvcc']}.", ""] + table(
+        ["module", "arch", "cold build (s)"], [[r["module"], r["arch"], num(r["cold_build_s"])] for r in rows], left=2)
+
+
+def render(runs: dict[str, Run]) -> str:
+    files = ", ".join(f"`{runs[n].file}`" for n in BENCHMARKS if n in runs)
+    out = ["# Benchmarks", "",
+           f"Generated by `attnforge bench report` from {files} (`.ci/gpu-session bench` writes them); do not edit "
+           "by hand: rerun the benchmarks and the report. Earlier runs are in this file's git history.", "",
+           "Method: CUDA events around each call, the median reported, each kernel first run back to back for at "
+           "least 0.5 s (timed at the clock the card's power cap leaves it), no L2 flush. Every peer is timed in "
+           "the same run on the same contents. Every ratio compares speeds: above 1, the first named is faster "
+           "(TFLOP/s over TFLOP/s, or the inverse ratio of times); n/a: a peer that refused or was not run."]
+    sections = [("Decode", decode_section(runs))]
+    if "prefill" in runs:
+        sections += [("FA2 prefill", prefill_section(runs["prefill"], "fa2")),
+                     ("FA3 prefill", prefill_section(runs["prefill"], "fa3"))]
+    if "fp8" in runs:
+        sections.append(("FP8", fp8_section(runs["fp8"])))
+    if "build" in runs:
+        sections.append(("Build times", build_section(runs["build"])))
+    for title, lines in sections:
+        if lines:
+            out += ["", f"## {title}", "", *lines]
+    return "\n".join(wrap(line) for line in out) + "\n"
+
+
+def wrap(line: str) -> str:
+    """Prose at WIDTH columns, as the hand-written docs; tables, headings and notes as they are."""
+    if len(line) <= WIDTH or line.startswith(("|", "#", "- ")):
+        return line
+    return textwrap.fill(line, WIDTH, break_long_words=False, break_on_hyphens=False)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="attnforge bench report", description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", metavar="FILE.json", help="records written by `attnforge bench NAME --out`")
+    p.add_argument("--output", metavar="FILE.md", help="write here (atomically) instead of to stdout")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        runs = load(args.files)
+    except ReportError as exc:
+        print(f"attnforge bench report: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        text = render(runs)
+    except (KeyError, TypeError) as exc:  # a record of an older or newer layout than this report's
+        print(f"attnforge bench report: error: a record lacks or mistypes {exc}; rerun its benchmark",
+              file=sys.stderr)
+        return 2
+    for name in BENCHMARKS:
+        if name not in runs:
+            print(f"attnforge bench report: no {name} record given; its tables are left out", file=sys.stderr)
+    if args.output:
+        target = Path(args.output)
+        temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        temp.write_text(text)
+        os.replace(temp, target)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
