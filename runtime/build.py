@@ -46,7 +46,7 @@ FA3_FLAGS = ("-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED", "-Xptxas=-v")
 # ptxas "wgmma.mma_async instructions are serialized" (C7510 as a warning, C7520 and C7512 as info,
 # and whatever code comes next): the module would run several times slower than it should (a C7520
 # build ran at 37 instead of 600 TFLOP/s; fp8 hd 256 serialized for want of registers, C7512, ran
-# 14-17% slower), so the build fails instead (KERNELS.md §3).
+# 14-17% slower), so the build fails instead.
 SERIALIZED_WGMMA = "wgmma.mma_async instructions are serialized"
 
 

@@ -25,7 +25,7 @@ __all__ = [
 
 
 def cta_tile_q(avg_packed_len: int, head_dim: int) -> int:
-    """Packed q rows per CTA (FLASHINFER.md 4.2 step 3): tall tiles amortize each kv load over more
+    """Packed q rows per CTA: tall tiles amortize each kv load over more
     rows, but on short prompts they would run mostly empty. head_dim is the q/k head dim."""
     if avg_packed_len > 64 and head_dim < 256:
         return 128

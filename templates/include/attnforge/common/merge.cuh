@@ -3,7 +3,7 @@
 //   kHeadsPerBlock). A row is one query token (a decode request, or a prefill query row); row i
 //   owns the consecutive partial slots [row_indptr[i], row_indptr[i + 1]) of the plan image;
 //   an empty range means the attention kernel already wrote o/lse for it, and the merge skips it.
-//   State algebra (FLASHINFER.md 4.5): o = sum 2^(s_i - M) o_i / sum 2^(s_i - M),
+//   State algebra (as FlashInfer's merge_state): o = sum 2^(s_i - M) o_i / sum 2^(s_i - M),
 //   lse = M + log2(sum 2^(s_i - M)); all-empty inputs give o = 0, lse = -inf.
 // Must not: read anything but the partial buffers and the plan.
 #pragma once

@@ -43,7 +43,7 @@ namespace prefill {
 
 constexpr int32_t kBadInput = 1;
 
-// The q tile height of every CTA in this plan (FLASHINFER.md 4.2 step 3): tall tiles amortize
+// The q tile height of every CTA in this plan: tall tiles amortize
 // each kv load over more rows, but on short prompts they would run mostly empty.
 inline int32_t cta_tile_q(int64_t packed_len_estimate, int32_t head_dim_qk) {
   if (packed_len_estimate > 64 && head_dim_qk < 256) return 128;
