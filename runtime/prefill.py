@@ -3,69 +3,36 @@ and BatchPrefillWithRaggedKVCacheWrapper, and single_prefill_with_kv_cache.
 
 plan() validates the index arrays on the host, derives the kernel spec (building the module on
 first use), schedules (request, q tile, kv chunk) work items through the module's C++ planner and
-uploads the plan with one asynchronous copy. run() checks tensor metadata, patches pointers into
-the parameter struct and launches on the caller's current stream without waiting for the GPU.
+uploads the plan with one asynchronous copy: the steps of prefill_plan_steps, called in order.
+run() checks tensor metadata, patches pointers into the parameter struct and launches on the
+caller's current stream without waiting for the GPU.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import math
 from dataclasses import dataclass
 
 import torch
 
 from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
-from attnforge.codegen.dtypes import DType
-from attnforge.codegen.render import fa3_cta_tile
-from attnforge.codegen.spec import Backend, PosEncoding
 
 from . import checks, dispatch, kv_cache
-from .loader import Module, load
-from .mask import segment_packbits
-from .plan_buffers import (
-    PlanImage,
-    cuda_index,
-    current_stream,
-    float_workspace,
-    lse_output,
-    num_sms,
-    output,
-    score_scales,
-    split_tokens,
-)
-from .planner import MIN_CHUNK_TOKENS
-from .prefill_ahead import GATHER_MAX_BYTES, VT_BLOCK_KEYS, gathered_kv_bytes, gathered_rows, gathers_pages, transposed_v_blocks
-from .prefill_planner import (
-    PrefillPlanLayout,
-    cta_tile_q,
-    packed_len_estimate,
-    prefill_partial_capacity,
-    prefill_work_capacity,
+from .loader import Module
+from .plan_buffers import PlanImage, cuda_index, current_stream, float_workspace, lse_output, output, score_scales
+from .prefill_plan_steps import (
+    KernelOptions,
+    PlanRequest,
+    build_params,
+    carve_workspace,
+    check_options,
+    check_request,
+    one_token_requests,
+    resolve_module,
+    schedule,
+    stage_mask,
 )
 from .settings import settings
-
-
-
-@functools.cache
-def _prefill_module(backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType, head_dim_qk: int, head_dim_vo: int,
-                    pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
-                    use_custom_mask: bool, device_index: int) -> Module:
-    spec = dispatch.prefill_spec(
-        backend=backend, dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_o, head_dim_qk=head_dim_qk,
-        head_dim_vo=head_dim_vo, pos_encoding=pos_encoding, use_sliding_window=use_sliding_window,
-        use_logits_soft_cap=use_logits_soft_cap, use_custom_mask=use_custom_mask,
-        archs=dispatch.device_archs(device_index))
-    return load(spec)
-
-
-@functools.cache
-def _max_ctas(module: Module, tile: int, paged: bool, device_index: int) -> int:
-    ctas_per_sm = ctypes.c_int32()
-    module.check(module.fns["prefill_occupancy"](tile, int(paged), device_index, ctypes.byref(ctas_per_sm)),
-                 "prefill occupancy query")
-    return num_sms(device_index) * max(ctas_per_sm.value, 1)
 
 
 @dataclass
@@ -91,15 +58,6 @@ class _Plan:
     keep_alive: tuple  # device tensors the kernel reads (page ids, packed mask)
 
 
-def one_token_requests(qo_indptr: torch.Tensor) -> bool:
-    """Whether no request of the (host) qo_indptr has more than one query token."""
-    return bool((qo_indptr[1:] - qo_indptr[:-1]).max() <= 1)
-
-
-# Offsets of image arrays only run() reads (the planner neither writes nor knows them).
-_RUN_ONLY_OFFSETS = ("off_mask_indptr", "off_gathered_kv_indptr", "off_vt_block")
-
-
 class _BatchPrefillWrapper:
     """plan()/run() machinery shared by the paged and ragged wrappers."""
 
@@ -115,6 +73,7 @@ class _BatchPrefillWrapper:
         self._backend = dispatch.parse_backend(backend)
         self._graph = bool(use_cuda_graph)
         self._graph_shape: tuple[int, int] | None = None  # (batch, rows) the first graph plan fixed
+        self._graph_indices: torch.Tensor | None = None  # paged under CUDA graphs: where page ids are staged
         self._image = PlanImage(self._device, fixed_address=self._graph)
         self._plan: _Plan | None = None
         self._debug = settings().debug
@@ -127,189 +86,48 @@ class _BatchPrefillWrapper:
         return self._graph
 
     # ------------------------------------------------------------------ plan
-    def _plan_batch(self, *, qo_indptr, kv_indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
-                    head_dim_qk: int, head_dim_vo: int | None, page_size: int, custom_mask, packed_custom_mask,
-                    causal: bool, pos_encoding_mode, use_fp16_qk_reduction: bool, sm_scale, window_left: int,
-                    logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
-                    fixed_split_size, disable_split_kv: bool) -> None:
-        qo_indptr = checks.host_int32(qo_indptr, "qo_indptr")
-        batch_size = qo_indptr.numel() - 1
-        if batch_size < 1:
-            raise ValueError(f"qo_indptr: expected at least 2 entries (batch_size + 1), got {qo_indptr.numel()}")
-        kv_name = "paged_kv_indptr" if self._paged else "kv_indptr"
-        kv_indptr = checks.host_int32(kv_indptr, kv_name, batch_size + 1)
-        if self._paged:
-            kv_cache.check_page_ids(indices, "paged_kv_indices")
-        num_qo_heads, num_kv_heads = checks.heads(num_qo_heads, num_kv_heads)
-        head_dim_qk = checks.positive_int(head_dim_qk, "head_dim_qk")
-        head_dim_vo = head_dim_qk if head_dim_vo is None else checks.positive_int(head_dim_vo, "head_dim_vo")
-        page_size = checks.positive_int(page_size, "page_size")
-        window_left = checks.window_left(window_left)
-        soft_cap = checks.soft_cap(logits_soft_cap)
-        sm_scale = checks.positive_float(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim_qk))
-        rope_scale = checks.positive_float(rope_scale, "rope_scale", 1.0)
-        rope_theta = checks.positive_float(rope_theta, "rope_theta", 1e4)
-        checks.split_size(fixed_split_size)
-        if custom_mask is not None and packed_custom_mask is not None:
-            raise ValueError("custom_mask, packed_custom_mask: pass one of them, not both")
-        use_custom_mask = custom_mask is not None or packed_custom_mask is not None
-        if use_custom_mask and causal:
-            raise ValueError("causal=True with a custom mask: the custom mask replaces the causal mask; pass "
-                             "causal=False (and put the causal pattern into the mask if you want it)")
-
-        if use_fp16_qk_reduction:
-            raise ValueError("use_fp16_qk_reduction: the prefill kernels accumulate q.k in fp32; pass False")
-        dtype_q, dtype_kv, dtype_o = dispatch.planned_dtypes(q_data_type, kv_data_type, o_data_type)
+    def _plan_batch(self, request: PlanRequest, options: KernelOptions) -> None:
+        """Resolve the module, stage the page ids, schedule through the module's C++ planner, stage the
+        mask and the workspace, upload the image: the steps of prefill_plan_steps, in order."""
         device_index = cuda_index(self._device)
-        module = _prefill_module(self._backend, dtype_q, dtype_kv, dtype_o, head_dim_qk, head_dim_vo,
-                                 dispatch.parse_pos_encoding(pos_encoding_mode), window_left >= 0, soft_cap > 0,
-                                 use_custom_mask, device_index)
-
-        keep_alive = []
-        host_max_page = None
-        if self._paged:
-            indices, host_max_page = kv_cache.stage_page_ids(indices, int(kv_indptr[-1]), self._device,
+        module = resolve_module(self._backend, request, options, device_index)
+        indices, host_max_page = None, None
+        if request.paged:
+            indices, host_max_page = kv_cache.stage_page_ids(request.indices, request.total_kv, self._device,
                                                              "paged_kv_indices", self._graph_indices,
                                                              "paged_kv_indices_buf")
-            keep_alive.append(indices)
-            last_page_len = checks.host_int32(last_page_len, "paged_kv_last_page_len", batch_size)
-        group = num_qo_heads // num_kv_heads
-        total_q = int(qo_indptr[-1])
-        if self._graph:
-            if self._graph_shape is None:
-                self._graph_shape = (batch_size, total_q)
-            elif batch_size != self._graph_shape[0] or total_q > self._graph_shape[1]:
-                raise ValueError(f"qo_indptr: this CUDA-graph wrapper was planned for batch_size={self._graph_shape[0]} "
-                                 f"and at most {self._graph_shape[1]} query tokens, got {batch_size} and {total_q}")
-        rows = self._graph_shape[1] if self._graph else total_q
-        fixed_tile = fa3_cta_tile(module.spec) if module.spec.backend is Backend.FA3 else 0
-        tile = fixed_tile or cta_tile_q(packed_len_estimate(rows, batch_size, group, self._graph), head_dim_qk)
-        max_ctas = _max_ctas(module, tile, self._paged, device_index)
-        kv_page = page_size if self._paged else 1
-        fixed_tokens = split_tokens(fixed_split_size, kv_page)
-        capacity = prefill_work_capacity(rows, batch_size, group, tile, max_ctas, num_kv_heads)
-        if fixed_tokens and not self._graph:  # every q tile may be cut into that many chunks
-            capacity = max(capacity, capacity * -(-int(kv_indptr[-1]) * kv_page // fixed_tokens))
-        layout = PrefillPlanLayout(batch_size, capacity, rows)
-        offsets = layout.offsets()
-        # The custom mask's per-request byte offsets follow the planner's arrays.
-        offsets["off_mask_indptr"] = layout.size
-        image_size = layout.size + (batch_size + 1 if use_custom_mask else 0)
-        # fa3 may gather its pages and (fp8) transpose V ahead, not under CUDA graphs, whose replays
-        # keep the kernels they captured: each request's first gathered row and first V^T block follow.
-        fa3_ahead = module.spec.backend is Backend.FA3 and not self._graph
-        may_gather = fa3_ahead and self._paged
-        may_transpose_v = fa3_ahead and module.spec.dtype_kv.is_fp8
-        offsets["off_gathered_kv_indptr"] = image_size
-        image_size += batch_size + 1 if may_gather else 0
-        offsets["off_vt_block"] = image_size
-        image_size += batch_size + 1 if may_transpose_v else 0
-        image = self._image.host_buffer(image_size)
-
-        binding = module.binding
-        args = binding.PrefillPlanArgs(
-            qo_indptr=qo_indptr.data_ptr(), kv_indptr=kv_indptr.data_ptr(),
-            last_page_len=last_page_len.data_ptr() if self._paged else None, image=image.data_ptr(),
-            batch_size=batch_size, paged=int(self._paged), page_size=kv_page,
-            num_indices=indices.numel() if self._paged else int(kv_indptr[-1]), num_kv_heads=num_kv_heads,
-            group_size=group, head_dim_qk=head_dim_qk, fixed_cta_tile_q=fixed_tile, max_ctas=max_ctas,
-            causal=int(bool(causal)),
-            window_left=window_left, fixed_split_tokens=fixed_tokens, disable_split_kv=int(bool(disable_split_kv)),
-            min_chunk_tokens=MIN_CHUNK_TOKENS, cuda_graph=int(self._graph), work_capacity=capacity,
-            row_capacity=rows,
-            **{name: value for name, value in offsets.items() if name not in _RUN_ONLY_OFFSETS})
-        info = binding.PrefillPlanInfo()
-        status = module.fns["prefill_plan"](ctypes.byref(args), ctypes.byref(info))
-        if status != 0:
-            raise ValueError(f"plan(): {module.last_error()}")
-        assert info.cta_tile_q == tile, "the planner and the wrapper must pick the same q tile"
-
-        mask = None
-        if use_custom_mask:
-            mask = self._stage_mask(custom_mask, packed_custom_mask, qo_indptr, image, offsets["off_kv_len"],
-                                    offsets["off_mask_indptr"], batch_size)
-            keep_alive.append(mask)
-        slots = prefill_partial_capacity(capacity, tile, group) if self._graph else info.num_partials
-        v_bytes = -(-slots * num_qo_heads * head_dim_vo * 4 // 256) * 256
-        s_bytes = slots * num_qo_heads * 4
-        available = self._workspace.numel() * self._workspace.element_size()
-        if v_bytes + s_bytes > available:
-            raise ValueError(f"float_workspace_buffer: this plan needs {v_bytes + s_bytes} bytes for split-KV partials, "
-                             f"the buffer has {available}; allocate at least that many (128 MiB covers typical batches)")
-        # After the partials: the gathered pages, then V^T, each where the workspace still holds it.
-        ahead_offset = -(-(v_bytes + s_bytes) // 1024) * 1024
-        gathered_pages = gathered_bytes = 0
-        vt_first = None
-        if may_gather or may_transpose_v:
-            qo_lens = qo_indptr[1:] - qo_indptr[:-1]
-            kv_lens = image[offsets["off_kv_len"]: offsets["off_kv_len"] + batch_size]
-        if may_gather and gathers_pages(qo_lens, kv_lens, group, causal, window_left):
-            gathered_pages = int(kv_indptr[-1]) - int(kv_indptr[0])
-            gathered_bytes = gathered_kv_bytes(gathered_pages * page_size, num_kv_heads, head_dim_qk + head_dim_vo,
-                                               dispatch.torch_dtype(dtype_kv).itemsize)
-            if ahead_offset + gathered_bytes > min(available, GATHER_MAX_BYTES):
-                gathered_pages, gathered_bytes = 0, 0
-        if gathered_pages:
-            image[offsets["off_gathered_kv_indptr"]: offsets["off_gathered_kv_indptr"] + batch_size + 1] = \
-                gathered_rows(kv_indptr, page_size)
-        vt_offset = ahead_offset + gathered_bytes
-        if may_transpose_v:
-            vt_first = transposed_v_blocks(qo_lens, kv_lens, group, tile)
-        vt_blocks = int(vt_first[-1]) if vt_first is not None else 0
-        if vt_offset + num_kv_heads * vt_blocks * VT_BLOCK_KEYS * head_dim_vo > available:
-            vt_first, vt_blocks = None, 0
-        if vt_first is not None:
-            image[offsets["off_vt_block"]: offsets["off_vt_block"] + batch_size + 1] = vt_first
-        self._image.upload(image_size)
-
-        workspace_ptr = self._workspace.data_ptr()
-        params = binding.PrefillParams(
-            indices=indices.data_ptr() if self._paged else None, custom_mask=mask.data_ptr() if mask is not None else None,
-            plan=self._image.on_device.data_ptr(), tmp_v=workspace_ptr, tmp_s=workspace_ptr + v_bytes,
-            v_transposed=workspace_ptr + vt_offset if vt_first is not None else None, vt_blocks=vt_blocks,
-            kv_gathered=workspace_ptr + ahead_offset if gathered_pages else None,
-            gather_first_page=int(kv_indptr[0]) if gathered_pages else 0, gathered_pages=gathered_pages,
-            batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, group_size=group,
-            page_size=kv_page, work_capacity=capacity if self._graph else info.num_work, max_ctas=max_ctas,
-            row_capacity=rows, causal=int(bool(causal)), window_left=window_left, cta_tile_q=tile,
-            paged=int(self._paged), run_merge=int(self._graph or info.num_partials > 0), device=device_index,
-            one_token_requests=int(self._decode_plans if self._graph else one_token_requests(qo_indptr)),
-            debug_sync=int(self._debug), rope_rcp_scale=1.0 / rope_scale, rope_rcp_theta=1.0 / rope_theta,
-            **offsets)
+        sched = schedule(module, request, options, self._rows(request.batch_size, request.total_q),
+                         indices.numel() if request.paged else request.total_kv, self._image, self._graph,
+                         device_index)
+        mask = stage_mask(request, options, sched, self._device) if options.use_custom_mask else None
+        space = carve_workspace(request, options, sched, self._workspace, self._graph)
+        self._image.upload(sched.image_size)
+        # The planner checked qo_indptr (from 0, non-decreasing): more rows than requests rules one token out.
+        one_token = self._decode_plans if self._graph else (request.total_q <= request.batch_size
+                                                            and one_token_requests(request.qo_indptr))
+        params = build_params(module, request, options, sched, space, indices=indices, mask=mask,
+                              plan_ptr=self._image.on_device.data_ptr(), workspace_ptr=self._workspace.data_ptr(),
+                              graph=self._graph, one_token=one_token, debug=self._debug, device_index=device_index)
         self._plan = _Plan(
-            module=module, params=params, total_q=total_q, total_kv=int(kv_indptr[-1]), num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size,
-            dtype_q=dispatch.torch_dtype(dtype_q), dtype_kv=dispatch.torch_dtype(dtype_kv),
-            dtype_o=dispatch.torch_dtype(dtype_o), sm_scale=float(sm_scale), soft_cap=soft_cap,
-            window_left=window_left, host_max_page=host_max_page, keep_alive=tuple(keep_alive))
+            module=module, params=params, total_q=request.total_q, total_kv=request.total_kv,
+            num_qo_heads=request.num_qo_heads, num_kv_heads=request.num_kv_heads, head_dim_qk=request.head_dim_qk,
+            head_dim_vo=request.head_dim_vo, page_size=request.page_size,
+            dtype_q=dispatch.torch_dtype(options.dtype_q), dtype_kv=dispatch.torch_dtype(options.dtype_kv),
+            dtype_o=dispatch.torch_dtype(options.dtype_o), sm_scale=options.sm_scale, soft_cap=options.soft_cap,
+            window_left=options.window_left, host_max_page=host_max_page,
+            keep_alive=tuple(t for t in (indices, mask) if t is not None))
 
-    def _stage_mask(self, custom_mask, packed_custom_mask, qo_indptr, image, off_kv_len: int, off_mask_indptr: int,
-                    batch_size: int) -> torch.Tensor:
-        """The bit-packed mask on the device, and its per-request byte offsets in the plan image."""
-        qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
-        kv_lens = image[off_kv_len: off_kv_len + batch_size].to(torch.int64)
-        bits = qo_lens * kv_lens
-        if custom_mask is not None:
-            checks.tensor(custom_mask, "custom_mask")
-            flat = custom_mask.reshape(-1)
-            if flat.numel() != int(bits.sum()):
-                raise ValueError(f"custom_mask: expected sum(qo_len * kv_len) = {int(bits.sum())} booleans, got "
-                                 f"{flat.numel()}")
-            bit_indptr = torch.zeros(batch_size + 1, dtype=torch.int64)
-            torch.cumsum(bits, 0, out=bit_indptr[1:])
-            packed, byte_indptr = segment_packbits(flat.to(torch.bool), bit_indptr.to(flat.device), bitorder="little")
-            byte_indptr = byte_indptr.cpu()
-        else:
-            checks.tensor(packed_custom_mask, "packed_custom_mask")
-            checks.dtype(packed_custom_mask, "packed_custom_mask", torch.uint8)
-            byte_indptr = torch.zeros(batch_size + 1, dtype=torch.int64)
-            torch.cumsum((bits + 7) // 8, 0, out=byte_indptr[1:])
-            if packed_custom_mask.numel() != int(byte_indptr[-1]):
-                raise ValueError(f"packed_custom_mask: expected {int(byte_indptr[-1])} bytes (each request's "
-                                 f"qo_len * kv_len bits padded to whole bytes), got {packed_custom_mask.numel()}")
-            packed = packed_custom_mask
-        image[off_mask_indptr: off_mask_indptr + batch_size + 1] = byte_indptr.to(torch.int32)
-        return packed.to(self._device, non_blocking=True).contiguous()
+    def _rows(self, batch_size: int, total_q: int) -> int:
+        """Query rows the plan covers: the batch's, or under CUDA graphs the first plan's, which fixes
+        the batch size and caps the rows of every later plan."""
+        if not self._graph:
+            return total_q
+        if self._graph_shape is None:
+            self._graph_shape = (batch_size, total_q)
+        elif batch_size != self._graph_shape[0] or total_q > self._graph_shape[1]:
+            raise ValueError(f"qo_indptr: this CUDA-graph wrapper was planned for batch_size={self._graph_shape[0]} "
+                             f"and at most {self._graph_shape[1]} query tokens, got {batch_size} and {total_q}")
+        return self._graph_shape[1]
 
     # ------------------------------------------------------------------ run
     def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_strides: tuple, v_strides: tuple,
@@ -384,7 +202,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
                  jit_args=None, jit_kwargs=None) -> None:
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, jit_kwargs)
-        self._graph_indices = None
         if self._graph:
             if paged_kv_indices_buf is None:
                 raise ValueError("paged_kv_indices_buf: use_cuda_graph=True needs a preallocated int32 CUDA buffer for "
@@ -405,15 +222,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         """Schedule a batch: qo_indptr [batch+1] (query tokens), paged_kv_indptr [batch+1] (pages) and
         paged_kv_last_page_len [batch] are int32 host tensors; paged_kv_indices holds the page ids."""
         _refuse(unsupported)
-        self._plan_batch(
-            qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr, indices=paged_kv_indices,
+        request = check_request(
+            paged=True, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr, indices=paged_kv_indices,
             last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, custom_mask=custom_mask,
-            packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
-            use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, window_left=window_left,
-            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
-            kv_data_type=kv_data_type, o_data_type=o_data_type, fixed_split_size=fixed_split_size,
-            disable_split_kv=disable_split_kv)
+            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size)
+        self._plan_batch(request, check_options(
+            head_dim_qk=request.head_dim_qk, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
+            causal=causal, pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
+            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv))
 
     begin_forward = plan
 
@@ -465,14 +283,16 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
              disable_split_kv: bool = False, **unsupported) -> None:
         """Schedule a batch: qo_indptr and kv_indptr [batch+1] are int32 host token indptrs."""
         _refuse(unsupported)
-        self._plan_batch(
-            qo_indptr=qo_indptr, kv_indptr=kv_indptr, indices=None, last_page_len=None, num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=1,
-            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
-            pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
-            window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+        request = check_request(
+            paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, indices=None, last_page_len=None,
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+            page_size=1)
+        self._plan_batch(request, check_options(
+            head_dim_qk=request.head_dim_qk, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
+            causal=causal, pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
+            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv))
 
     begin_forward = plan
 
