@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from attnforge import prefill as prefill_runtime
+from attnforge import prefill_plan_steps as plan_steps
 
 
 @pytest.fixture
@@ -13,11 +13,11 @@ def pages_gathered(monkeypatch):
     (True) or have the kernel read the pages (False), whatever their lengths. Returns the list that
     records each plan that gathered (the workspace may still refuse the copy)."""
     gathered = []
-    real = prefill_runtime.gathered_rows
+    real = plan_steps.gathered_rows
 
     def force(gather: bool) -> list:
-        monkeypatch.setattr(prefill_runtime, "gathers_pages", lambda *args: gather)
-        monkeypatch.setattr(prefill_runtime, "gathered_rows", lambda *args: gathered.append(args) or real(*args))
+        monkeypatch.setattr(plan_steps, "gathers_pages", lambda *args: gather)
+        monkeypatch.setattr(plan_steps, "gathered_rows", lambda *args: gathered.append(args) or real(*args))
         return gathered
 
     return force

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attnforge
-from attnforge import prefill as prefill_runtime
+from attnforge import prefill_plan_steps as plan_steps
 from attnforge import reference
 
 pytestmark = pytest.mark.gpu
@@ -118,13 +118,13 @@ def planned_v_blocks(monkeypatch, ahead: bool = True) -> list:
     """What plan() decides about V transposed ahead, recorded per plan (None: the kernel transposes);
     ahead=False forces the kernel's transposes."""
     planned = []
-    real = prefill_runtime.transposed_v_blocks
+    real = plan_steps.transposed_v_blocks
 
     def record(*args):
         planned.append(real(*args) if ahead else None)
         return planned[-1]
 
-    monkeypatch.setattr(prefill_runtime, "transposed_v_blocks", record)
+    monkeypatch.setattr(plan_steps, "transposed_v_blocks", record)
     return planned
 
 
