@@ -58,6 +58,16 @@ class _Plan:
     keep_alive: tuple  # device tensors the kernel reads (page ids, packed mask)
 
 
+# The kernel options both plan()s take under the same names, passed on to check_options.
+_OPTION_ARGS = ("custom_mask", "packed_custom_mask", "causal", "pos_encoding_mode", "use_fp16_qk_reduction", "sm_scale",
+                "window_left", "logits_soft_cap", "rope_scale", "rope_theta", "q_data_type", "kv_data_type",
+                "o_data_type", "fixed_split_size", "disable_split_kv")
+
+
+def _option_args(plan_locals: dict) -> dict:
+    return {name: plan_locals[name] for name in _OPTION_ARGS}
+
+
 class _BatchPrefillWrapper:
     """plan()/run() machinery shared by the paged and ragged wrappers."""
 
@@ -226,12 +236,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
             paged=True, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr, indices=paged_kv_indices,
             last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size)
-        self._plan_batch(request, check_options(
-            head_dim_qk=request.head_dim_qk, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
-            causal=causal, pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
-            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
-            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv))
+        self._plan_batch(request, check_options(head_dim_qk=request.head_dim_qk, **_option_args(locals())))
 
     begin_forward = plan
 
@@ -287,12 +292,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
             paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, indices=None, last_page_len=None,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
             page_size=1)
-        self._plan_batch(request, check_options(
-            head_dim_qk=request.head_dim_qk, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
-            causal=causal, pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
-            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
-            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv))
+        self._plan_batch(request, check_options(head_dim_qk=request.head_dim_qk, **_option_args(locals())))
 
     begin_forward = plan
 

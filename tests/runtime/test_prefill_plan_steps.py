@@ -128,3 +128,16 @@ def test_workspace_too_small_for_the_partials_says_how_large():
     with pytest.raises(ValueError, match=r"float_workspace_buffer: this plan needs 4128 bytes for split-KV "
                                          r"partials, the buffer has 4096"):
         carve_workspace(r, options(), schedule_of(r, num_partials=1), torch.empty(4096, dtype=torch.uint8), False)
+
+
+@pytest.mark.parametrize("wrapper", ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"])
+def test_every_kernel_option_is_a_plan_parameter(wrapper):
+    """plan() hands its options to check_options by name: each must be one of its parameters."""
+    import inspect
+
+    import attnforge
+    from attnforge.prefill import _OPTION_ARGS
+
+    parameters = inspect.signature(getattr(attnforge, wrapper).plan).parameters
+    assert set(_OPTION_ARGS) <= set(parameters)
+    assert set(_OPTION_ARGS) | {"head_dim_qk"} == set(inspect.signature(check_options).parameters)
