@@ -310,6 +310,39 @@ def test_killed_build_leaves_no_compiler_and_the_next_build_succeeds(tmp_path, m
     assert not list(folder.glob("build.*"))  # the killed build's folder was removed
 
 
+def _mentioning(text: str) -> list[str]:
+    """Command lines of live processes (not this one) whose arguments mention `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and _alive(int(entry.name)):
+                found.append(cmdline)
+    return found
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killed_real_build_leaves_no_nvcc(tmp_path, monkeypatch):
+    cache = tmp_path / "real kill"
+    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(cache))
+    monkeypatch.delenv("ATTNFORGE_NVCC", raising=False)
+    proc = _build_in_subprocess(dict(os.environ))
+    _wait_for(lambda: any("cicc" in line or "ptxas" in line for line in _mentioning(str(cache))), 120,
+              "nvcc to reach cicc or ptxas")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    _wait_for(lambda: not _mentioning(str(cache)), 5, "every process of the killed build to exit")
+
+    again = _build_in_subprocess(dict(os.environ))
+    output = again.communicate(timeout=600)[0]
+    assert again.returncode == 0, output
+    assert integrity.problem(library_path(SPEC)) is None and not list(module_dir(SPEC).glob("build.*"))
+
+
 # --- damaged libraries (a real module) --------------------------------------------------------------
 
 @pytest.fixture(scope="session")
