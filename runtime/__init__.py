@@ -13,7 +13,6 @@ Importing the package does not import torch; the wrappers do on first use.
 from __future__ import annotations
 
 import logging
-import os
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
@@ -35,7 +34,9 @@ if not _log.handlers:
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("[attnforge] %(message)s"))
     _log.addHandler(_handler)
-    _log.setLevel(os.environ.get("ATTNFORGE_LOG_LEVEL", "INFO").upper())
+    from .settings import log_level
+
+    _log.setLevel(log_level())
 
 _LAZY = {
     "BatchDecodeWithPagedKVCacheWrapper": ("attnforge.decode", "BatchDecodeWithPagedKVCacheWrapper"),

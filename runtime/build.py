@@ -1,22 +1,33 @@
 """Build a module: render its sources into the cache, write build.ninja, run ninja (nvcc).
 
 Cache layout, one folder per uri under $ATTNFORGE_CACHE_DIR/<attnforge version>/:
-    <uri>/src/         rendered sources (written only when different, so ninja rebuilds little)
-    <uri>/build/       build.ninja, objects, the linked library before it is installed
-    <uri>/<uri>.so     the installed module: appears atomically (rename), so a killed build never
-                       leaves a half-written library that a later process loads
-    <uri>.lock         flock held across check -> build -> load; the OS drops it if the holder dies
+    <uri>/src/            rendered sources (written only when different)
+    <uri>/build.<pid>.*/  one build in progress: build.ninja, objects, the staged library. Each build
+                          has its own folder, so a compiler orphaned by a killed build never writes
+                          where the next build works; the next builder removes such folders.
+    <uri>/build/          the last successful build's folder, kept for inspection
+    <uri>/<uri>.so        the installed module: appears atomically (rename), so a killed build never
+                          leaves a half-written library that a later process loads
+    <uri>/<uri>.so.json   its size and sha256, checked before every dlopen (see integrity.py)
+    <uri>.lock            flock held by builders across check -> build -> load; the OS drops it if the
+                          holder dies. Loading a verified module takes no lock and writes nothing, so a
+                          read-only cache of built modules works.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import fcntl
 import logging
 import os
+import shlex
 import shutil
+import signal
 import subprocess
+import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -25,7 +36,8 @@ from attnforge.codegen.render import render, write_files
 from attnforge.codegen.sources import include_dir
 from attnforge.codegen.spec import Backend, KernelSpec
 
-from .settings import Settings, settings as read_settings
+from . import integrity
+from .settings import CACHE_DIR_ENV, Settings, settings as read_settings
 
 log = logging.getLogger("attnforge")
 
@@ -54,6 +66,10 @@ class BuildError(RuntimeError):
     pass
 
 
+class CacheError(BuildError):
+    """The cache cannot hold a module that must be (re)built: it is not writable."""
+
+
 @functools.cache
 def version() -> str:
     try:
@@ -71,11 +87,32 @@ def library_path(spec: KernelSpec, config: Settings | None = None) -> Path:
     return module_dir(spec, config) / f"{spec.uri}.so"
 
 
+def lock_path(spec: KernelSpec, config: Settings) -> Path:
+    return module_dir(spec, config).parent / f"{spec.uri}.lock"
+
+
+def _cache_not_writable(spec: KernelSpec, config: Settings, problem: str, error: OSError) -> CacheError:
+    where = (f"{CACHE_DIR_ENV}={config.cache_dir} is not writable" if config.cache_dir_from_env else
+             f"the cache {config.cache_dir} is not writable (nor any default; see {CACHE_DIR_ENV})")
+    if problem == integrity.MISSING:
+        return CacheError(f"cannot build {spec.uri}: {where} ({error}); set {CACHE_DIR_ENV} to a writable folder")
+    return CacheError(
+        f"{library_path(spec, config)} cannot be used: {problem}; {where} ({error}), so it cannot be rebuilt. "
+        f"Delete {module_dir(spec, config)} with write access (the next load rebuilds it), rebuild the cache "
+        f"where it was made, or set {CACHE_DIR_ENV} to a writable folder")
+
+
 @contextlib.contextmanager
-def file_lock(path: Path):
-    """Exclusive flock on `path`; logs when another process holds it, so a wait is never silent."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
+def module_lock(spec: KernelSpec, config: Settings, problem: str = integrity.MISSING):
+    """Exclusive flock on the module's lock file; logs when another process holds it, so a wait is
+    never silent. `problem` (why a build is needed) goes into the error if the cache is read-only."""
+    path = lock_path(spec, config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")
+    except OSError as error:
+        raise _cache_not_writable(spec, config, problem, error) from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -103,6 +140,22 @@ def cutlass_include(config: Settings) -> Path:
     return path
 
 
+def _no_newline(text: str) -> str:
+    if "\n" in text:
+        raise BuildError(f"{text!r} contains a newline, which build.ninja cannot express; use another path")
+    return text
+
+
+def ninja_path(path: Path | str) -> str:
+    """A path as ninja's lexer reads it in a build statement: $, space and colon escaped."""
+    return _no_newline(str(path)).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def ninja_command(args) -> str:
+    """Arguments as /bin/sh words (ninja runs commands through the shell), then $-escaped for ninja."""
+    return " ".join(shlex.quote(_no_newline(str(arg))) for arg in args).replace("$", "$$")
+
+
 def ninja_file(spec: KernelSpec, src: Path, out_name: str, config: Settings) -> str:
     if config.nvcc is None:
         raise BuildError("nvcc not found: set CUDA_HOME or ATTNFORGE_NVCC, or put nvcc on the PATH")
@@ -113,10 +166,11 @@ def ninja_file(spec: KernelSpec, src: Path, out_name: str, config: Settings) -> 
     units = sorted(p.name for p in src.glob("*.cu"))
     lines = [
         "ninja_required_version = 1.3",
-        f"nvcc = {config.nvcc}",
-        f"cuda_flags = {' '.join(flags)}",
-        f"link_flags = {' '.join(LINK_FLAGS)}",
+        f"nvcc = {ninja_command([config.nvcc])}",
+        f"cuda_flags = {ninja_command(flags)}",
+        f"link_flags = {ninja_command(LINK_FLAGS)}",
         "",
+        # ninja shell-quotes $in and $out itself
         "rule nvcc",
         "  command = $nvcc $cuda_flags -MD -MF $out.d -c $in -o $out",
         "  depfile = $out.d",
@@ -128,8 +182,9 @@ def ninja_file(spec: KernelSpec, src: Path, out_name: str, config: Settings) -> 
         "  description = link $out",
         "",
     ]
-    lines += [f"build {unit}.o: nvcc {src / unit}" for unit in units]
-    lines += ["", f"build {out_name}: link {' '.join(unit + '.o' for unit in units)}", f"default {out_name}", ""]
+    lines += [f"build {ninja_path(unit + '.o')}: nvcc {ninja_path(src / unit)}" for unit in units]
+    objects = " ".join(ninja_path(unit + ".o") for unit in units)
+    lines += ["", f"build {ninja_path(out_name)}: link {objects}", f"default {ninja_path(out_name)}", ""]
     return "\n".join(lines)
 
 
@@ -142,50 +197,108 @@ def _ninja() -> str:
     return str(Path(ninja.BIN_DIR) / "ninja")
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Resolved before any fork: the child may only make the call (no dlopen between fork and exec).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent(parent: int):
+    """preexec_fn for ninja: SIGTERM when this process dies, even by SIGKILL. ninja forwards SIGTERM
+    to its compilers' process groups, so no nvcc outlives a killed build."""
+
+    def arm() -> None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm if _prctl is not None else None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop ninja and its compilers: SIGTERM (ninja forwards it), then SIGKILL to its group."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _run_ninja(build_dir: Path, config: Settings) -> None:
     cmd = [_ninja(), "-C", str(build_dir)]
     if config.max_jobs:
         cmd += ["-j", str(config.max_jobs)]
-    if config.verbose:
-        result = subprocess.run(cmd)
-        output = ""
-    else:
-        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        output = result.stdout
-    if result.returncode != 0:
+    # Its own session: a terminal's Ctrl-C reaches Python, which stops the build (not half of it).
+    proc = subprocess.Popen(cmd, stdout=None if config.verbose else subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+    try:
+        output = proc.communicate()[0] or ""
+    except BaseException:
+        _stop(proc)
+        raise
+    if proc.returncode != 0:
         tail = "\n".join(output.splitlines()[-60:])
-        raise BuildError(f"ninja failed in {build_dir} (exit {result.returncode}):\n{tail}")
+        raise BuildError(f"ninja failed in {build_dir} (exit {proc.returncode}):\n{tail}")
     serialized = [line.strip() for line in output.splitlines() if SERIALIZED_WGMMA in line]
     if serialized:
         raise BuildError(f"ptxas serialized wgmma in {build_dir}; the kernel would run far below speed:\n" +
                          "\n".join(serialized[:10]))
 
 
-def build_locked(spec: KernelSpec, config: Settings) -> Path:
-    """Build the module if its library is missing. The caller holds the module's lock."""
+def _remove_stale_builds(folder: Path) -> None:
+    # The caller holds the lock, so every build.<pid>.* folder is from a builder that died.
+    for stale in folder.glob("build.*"):
+        log.debug("removing %s (left by a build that did not finish)", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _install(staged: Path, library: Path) -> None:
+    """Move the library into place (atomic), then record its size and sha256 (atomic too): until the
+    record exists the library counts as unverified and is rebuilt, never loaded."""
+    os.replace(staged, library)
+    integrity.write_record(library)
+
+
+def _keep_as_last_build(build_dir: Path, folder: Path) -> None:
+    last = folder / "build"
+    shutil.rmtree(last, ignore_errors=True)
+    os.replace(build_dir, last)
+
+
+def build_locked(spec: KernelSpec, config: Settings, reason: str | None = None) -> Path:
+    """Build the module unless its installed library verifies; `reason` (a failed load) forces a
+    rebuild. The caller holds the module's lock."""
     folder = module_dir(spec, config)
     library = folder / f"{spec.uri}.so"
-    if library.exists():
+    reason = reason or integrity.problem(library)
+    if reason is None:
         return library
     started = time.perf_counter()
-    log.info("compiling %s (first use)", spec.uri)
+    if reason == integrity.MISSING:
+        log.info("compiling %s (first use)", spec.uri)
+    else:
+        log.warning("%s: %s; rebuilding it", library, reason)
+        log.info("compiling %s (rebuild)", spec.uri)
     src = write_files(render(spec), folder / "src")
-    build_dir = folder / "build"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(folder)
+    build_dir = Path(tempfile.mkdtemp(prefix=f"build.{os.getpid()}.", dir=folder))
     staged = f"{spec.uri}.so.staged"
     (build_dir / "build.ninja").write_text(ninja_file(spec, src, staged, config))
     _run_ninja(build_dir, config)
-    os.replace(build_dir / staged, library)
+    _install(build_dir / staged, library)
+    _keep_as_last_build(build_dir, folder)
     log.info("compiled %s in %.1f s", spec.uri, time.perf_counter() - started)
     return library
-
-
-def lock_path(spec: KernelSpec, config: Settings) -> Path:
-    return module_dir(spec, config).parent / f"{spec.uri}.lock"
 
 
 def build(spec: KernelSpec, config: Settings | None = None) -> Path:
     """Build (once, across processes) and return the module's library path."""
     config = config or read_settings()
-    with file_lock(lock_path(spec, config)):
+    library = library_path(spec, config)
+    problem = integrity.problem(library)
+    if problem is None:
+        return library
+    with module_lock(spec, config, problem):
         return build_locked(spec, config)

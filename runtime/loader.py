@@ -1,10 +1,13 @@
-"""Load a built module: dlopen (RTLD_LOCAL), bind its C ABI through the generated binding, and
-refuse it unless its struct layouts match the binding's ctypes mirror."""
+"""Load a built module: check its bytes against the integrity record, dlopen (RTLD_LOCAL), bind its
+C ABI through the generated binding, and refuse it unless its struct layouts match the binding's
+ctypes mirror. A module that verifies loads without a lock and without writing; one that is missing,
+damaged or fails to dlopen is (re)built under the module's lock."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.machinery
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -15,7 +18,8 @@ from attnforge.codegen.abi import expected_abi_table
 from attnforge.codegen.render import module_layout
 from attnforge.codegen.spec import KernelSpec
 
-from .build import build_locked, file_lock, lock_path, module_dir
+from . import integrity
+from .build import build_locked, library_path, module_dir, module_lock
 from .settings import Settings, settings as read_settings
 
 
@@ -40,8 +44,16 @@ class Module:
             raise RuntimeError(f"{what} failed (code {status}): {self.last_error()}")
 
 
+class _NoBytecodeLoader(importlib.machinery.SourceFileLoader):
+    """Writes no __pycache__ next to the binding: a cache hit must not write into the cache."""
+
+    def set_data(self, path, data, *, _mode=0o666):
+        pass
+
+
 def import_binding(path: Path, uri: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"attnforge_binding_{uri}", path)
+    name = f"attnforge_binding_{uri}"
+    spec = importlib.util.spec_from_file_location(name, path, loader=_NoBytecodeLoader(name, str(path)))
     if spec is None or spec.loader is None:
         raise ModuleLoadError(f"cannot import the generated binding {path}")
     module = importlib.util.module_from_spec(spec)
@@ -72,12 +84,29 @@ def open_library(spec: KernelSpec, library: Path) -> Module:
     return Module(spec=spec, path=library, binding=binding, fns=fns)
 
 
-def load_uncached(spec: KernelSpec, config: Settings | None = None) -> Module:
-    """Build if needed and load, holding the module's lock across check, build and load."""
-    config = config or read_settings()
-    with file_lock(lock_path(spec, config)):
-        library = build_locked(spec, config)
+def _open_verified(spec: KernelSpec, library: Path) -> Module | str:
+    """The module, or what is wrong with its library (checked before dlopen can map a bad file)."""
+    problem = integrity.problem(library)
+    if problem is not None:
+        return problem
+    try:
         return open_library(spec, library)
+    except OSError as error:
+        return f"it does not load ({error})"
+
+
+def load_uncached(spec: KernelSpec, config: Settings | None = None) -> Module:
+    """Load the module if it verifies; otherwise, holding its lock, check again, (re)build and load."""
+    config = config or read_settings()
+    library = library_path(spec, config)
+    found = _open_verified(spec, library)
+    if isinstance(found, Module):
+        return found
+    with module_lock(spec, config, found):
+        found = _open_verified(spec, library)  # another process may have built it while we waited
+        if isinstance(found, Module):
+            return found
+        return open_library(spec, build_locked(spec, config, reason=found))
 
 
 @functools.cache
