@@ -15,6 +15,7 @@ from attnforge.codegen.abi import expected_abi_table
 from attnforge.codegen.render import module_layout
 from attnforge.codegen.spec import KernelSpec
 
+from . import prebuilt
 from .build import build_locked, file_lock, lock_path, module_dir
 from .settings import Settings, settings as read_settings
 
@@ -73,8 +74,12 @@ def open_library(spec: KernelSpec, library: Path) -> Module:
 
 
 def load_uncached(spec: KernelSpec, config: Settings | None = None) -> Module:
-    """Build if needed and load, holding the module's lock across check, build and load."""
+    """Load from a prebuilt package if one holds the module (no lock, no compiler); else build if
+    needed and load, holding the module's lock across check, build and load."""
     config = config or read_settings()
+    found = prebuilt.find(spec, config)
+    if found is not None:
+        return open_library(spec, found)
     with file_lock(lock_path(spec, config)):
         library = build_locked(spec, config)
         return open_library(spec, library)
