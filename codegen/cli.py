@@ -301,8 +301,11 @@ def _progress(total: int):
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     with tqdm(total=total, unit="module", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+        counts = dict.fromkeys(("built", "cached", "failed"), 0)
+
         def advance(outcome) -> None:
-            bar.set_postfix_str(f"{outcome.status} {outcome.spec.name}", refresh=False)
+            counts[outcome.status] += 1
+            bar.set_postfix(counts, refresh=False)
             bar.update()
 
         with logging_redirect_tqdm(loggers=[logging.getLogger("attnforge")]):
