@@ -16,8 +16,8 @@ from pathlib import Path
 
 MISSING = "it is missing"
 _CHUNK = 1 << 20
-# (path, inode, size, mtime_ns) of libraries whose bytes matched their record in this process.
-_verified: set[tuple[str, int, int, int]] = set()
+# (path, inode, size, mtime_ns, sha256) of libraries whose bytes matched their record in this process.
+_verified: set[tuple[str, int, int, int, str]] = set()
 
 
 def record_path(library: Path) -> Path:
@@ -57,20 +57,27 @@ def _read_record(library: Path) -> dict | str:
 def problem(library: Path) -> str | None:
     """What is wrong with `library` (missing, truncated, altered, unrecorded), or None if it is
     exactly the file that was installed."""
+    if not library.is_file():
+        return MISSING
+    record = _read_record(library)
+    if isinstance(record, str):
+        return record
+    return mismatch(library, record["size"], record["sha256"])
+
+
+def mismatch(library: Path, size: int, digest: str) -> str | None:
+    """How `library` differs from the size and sha256 it was recorded with, or None if it matches."""
     try:
         stat = library.stat()
     except (FileNotFoundError, NotADirectoryError):
         return MISSING
-    key = (str(library), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    key = (str(library), stat.st_ino, stat.st_size, stat.st_mtime_ns, digest)
     if key in _verified:
         return None
-    record = _read_record(library)
-    if isinstance(record, str):
-        return record
-    if stat.st_size != record["size"]:
-        kind = "empty" if stat.st_size == 0 else "truncated" if stat.st_size < record["size"] else "longer"
-        return f"it is {kind}: {stat.st_size} bytes, {record['size']} when installed"
-    if sha256(library) != record["sha256"]:
-        return "its sha256 differs from the one recorded at install (the file was altered)"
+    if stat.st_size != size:
+        kind = "empty" if stat.st_size == 0 else "truncated" if stat.st_size < size else "longer"
+        return f"it is {kind}: {stat.st_size} bytes, {size} when recorded"
+    if sha256(library) != digest:
+        return "its sha256 differs from the one recorded (the file was altered)"
     _verified.add(key)
     return None

@@ -18,7 +18,7 @@ from attnforge.codegen.abi import expected_abi_table
 from attnforge.codegen.render import module_layout
 from attnforge.codegen.spec import KernelSpec
 
-from . import integrity
+from . import integrity, prebuilt
 from .build import build_locked, library_path, module_dir, module_lock
 from .settings import Settings, settings as read_settings
 
@@ -96,8 +96,12 @@ def _open_verified(spec: KernelSpec, library: Path) -> Module | str:
 
 
 def load_uncached(spec: KernelSpec, config: Settings | None = None) -> Module:
-    """Load the module if it verifies; otherwise, holding its lock, check again, (re)build and load."""
+    """Load from a prebuilt package if one holds the module (no lock, no compiler); else from the
+    cache if it verifies; otherwise, holding its lock, check again, (re)build and load."""
     config = config or read_settings()
+    found = prebuilt.find(spec, config)
+    if found is not None:
+        return open_library(spec, found)
     library = library_path(spec, config)
     found = _open_verified(spec, library)
     if isinstance(found, Module):

@@ -39,6 +39,7 @@ class Settings:
     nvcc: str | None  # ATTNFORGE_NVCC, else $CUDA_HOME/bin/nvcc, else nvcc on the PATH
     extra_cuda_flags: tuple[str, ...]  # ATTNFORGE_EXTRA_CUDAFLAGS, appended to every nvcc command
     cutlass_dir: Path | None  # CUTLASS_DIR: a CUTLASS checkout whose include/ FA3 modules use (default: the wheel)
+    prebuilt_path: tuple[Path, ...]  # ATTNFORGE_PREBUILT_PATH: folders holding prebuilt.json, searched before the cache
 
 
 def _flag(name: str) -> bool:
@@ -152,4 +153,5 @@ def settings() -> Settings:
         nvcc=_find_nvcc(),
         extra_cuda_flags=tuple(os.environ.get("ATTNFORGE_EXTRA_CUDAFLAGS", "").split()),
         cutlass_dir=Path(os.environ["CUTLASS_DIR"]) if os.environ.get("CUTLASS_DIR") else None,
+        prebuilt_path=tuple(Path(p) for p in os.environ.get("ATTNFORGE_PREBUILT_PATH", "").split(os.pathsep) if p),
     )

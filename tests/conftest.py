@@ -1,9 +1,14 @@
 """Shared test setup: GPU tests carry @pytest.mark.gpu and skip cleanly without a CUDA device;
-tests that compile carry @pytest.mark.nvcc and skip without nvcc."""
+tests that compile carry @pytest.mark.nvcc and skip without nvcc. `tiny_build` compiles one small
+module once per session for the tests that need a built module."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +31,50 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"GPU test: {why}"))
         if "nvcc" in item.keywords and not has_nvcc:
             item.add_marker(pytest.mark.skip(reason="needs nvcc on the PATH"))
+
+
+# One module (fa2 decode, bf16, head dim 128, sm80): the smallest build, shared by the build and
+# prebuilt-package tests.
+TINY_MANIFEST = """\
+[[group]]
+kind = "decode"
+backend = "fa2"
+dtype_q = "bf16"
+dtype_kv = "same_as_q"
+dtype_o = "default"
+head_dim = 128
+archs = "80"
+"""
+
+
+@dataclass(frozen=True)
+class TinyBuild:
+    """The first `attnforge build` of the tiny manifest into a fresh cache: its files and its result."""
+
+    manifest: Path
+    cache: Path
+    spec: object  # the manifest's one KernelSpec
+    result: subprocess.CompletedProcess
+
+    @property
+    def library(self) -> Path:
+        """Where the build put the module's library."""
+        from attnforge.build import library_path
+        from attnforge.settings import settings
+
+        return library_path(self.spec, replace(settings(), cache_dir=self.cache))
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tmp_path_factory) -> TinyBuild:
+    """`attnforge build` of the tiny manifest, run once per session (it compiles); tests reuse its cache."""
+    from attnforge.codegen import manifest
+
+    root = tmp_path_factory.mktemp("tiny_build")
+    path = root / "tiny.toml"
+    path.write_text(TINY_MANIFEST)
+    cache = root / "cache"
+    result = subprocess.run([sys.executable, "-m", "attnforge.codegen.cli", "build", "--manifest", str(path),
+                             "--cache-dir", str(cache)], capture_output=True, text=True, timeout=1800)
+    (spec,) = manifest.load(path).specs
+    return TinyBuild(manifest=path, cache=cache, spec=spec, result=result)
