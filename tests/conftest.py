@@ -66,6 +66,14 @@ class TinyBuild:
 
 
 @pytest.fixture(scope="session")
+def module_cache(tmp_path_factory) -> Path:
+    """One module cache for the whole run, shared by the tests that only need modules built and
+    loaded (the layout and first-use tests, the head-dim compile tests, the planner's module): each
+    distinct module compiles once per run. Tests that damage, lock or fail builds use their own."""
+    return tmp_path_factory.mktemp("module_cache")
+
+
+@pytest.fixture(scope="session")
 def tiny_build(tmp_path_factory) -> TinyBuild:
     """`attnforge build` of the tiny manifest, run once per session (it compiles); tests reuse its cache."""
     from attnforge.codegen import manifest

@@ -33,8 +33,8 @@ SPECS += [KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, 
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
-def test_accepted_head_dims_compile_and_load(spec, tmp_path, monkeypatch):
+def test_accepted_head_dims_compile_and_load(spec, module_cache, monkeypatch):
     assert check(spec) == [], "the rules accept every listed head-dim pair"
-    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(module_cache))
     module = load_uncached(spec)
     assert module.spec == spec

@@ -187,11 +187,11 @@ SPEC = KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dty
 
 
 @pytest.fixture(scope="module")
-def module(tmp_path_factory):
+def module(module_cache):
     from attnforge.loader import load_uncached
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ATTNFORGE_CACHE_DIR", str(tmp_path_factory.mktemp("planner_cache")))
+        patch.setenv("ATTNFORGE_CACHE_DIR", str(module_cache))
         yield load_uncached(SPEC)
 
 
