@@ -14,6 +14,7 @@ from pathlib import Path
 
 from attnforge.codegen.spec import KernelSpec
 
+from . import integrity
 from .build import BuildError, build, library_path
 from .settings import Settings
 
@@ -71,7 +72,7 @@ def build_all(specs: Sequence[KernelSpec], parallel: int, config: Settings,
     todo = []
     for spec in specs:
         library = library_path(spec, config)
-        if library.is_file():
+        if integrity.problem(library) is None:  # a damaged library is built again
             outcomes[spec] = Outcome(spec, library, None)
             on_done(outcomes[spec])
         else:
