@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from attnforge import integrity
 from attnforge.build import library_path
 from attnforge.codegen.cli import main
 from attnforge.codegen.spec import Arch
@@ -48,8 +49,8 @@ def test_build_failure_exits_nonzero_naming_the_module_and_compiler_output(tiny_
 
 
 def test_arch_replaces_the_manifest_archs(tmp_path, capsys):
-    """The manifest says sm80; --arch 90a asks for the sm90a module instead (a library already in the cache
-    stands in for it, so nothing compiles)."""
+    """The manifest says sm80; --arch 90a asks for the sm90a module instead (a recorded library already in
+    the cache stands in for it, so nothing compiles)."""
     from attnforge.codegen import manifest
 
     path = tmp_path / "m.toml"
@@ -59,6 +60,7 @@ def test_arch_replaces_the_manifest_archs(tmp_path, capsys):
     library = library_path(sm90a, _cache_settings(tmp_path / "cache"))
     library.parent.mkdir(parents=True)
     library.write_bytes(b"\0" * 2**20)
+    integrity.write_record(library)  # installed as a build installs it: the pool takes it as built
     assert main(["build", "--manifest", str(path), "--arch", "90a", "--cache-dir", str(tmp_path / "cache")]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("decode_")]
