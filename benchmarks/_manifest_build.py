@@ -25,7 +25,7 @@ class TableError(ValueError):
 @dataclass(frozen=True)
 class ManifestBuild:
     modules: list[dict]  # one row per module: module (uri), status, seconds, size_mib
-    counts: dict[str, int]  # built, cached, failed
+    counts: dict[str, int]  # built, cached, failed (all 0 when there is no table)
     build_s: float  # the command's own total, from its table
     wall_s: float  # the process's wall time
     exit_code: int
@@ -57,7 +57,8 @@ def parse_table(output: str) -> tuple[list[dict], dict[str, int], float]:
 
 def command(manifest: Path | None, archs: list[str], parallel: int, cache: str) -> list[str]:
     """The `attnforge build` command line (as `python -m`, so that it is this interpreter's attnforge)."""
-    return [sys.executable, "-m", "attnforge.codegen.cli", "build", *(["--manifest", str(manifest)] if manifest else []),
+    given = ["--manifest", str(manifest)] if manifest else []
+    return [sys.executable, "-m", "attnforge.codegen.cli", "build", *given,
             *(arg for arch in archs for arg in ("--arch", arch)), "-j", str(parallel), "--cache-dir", cache]
 
 
@@ -71,5 +72,6 @@ def build(manifest: Path | None, archs: list[str], parallel: int) -> ManifestBui
     try:
         rows, counts, seconds = parse_table(done.stdout)
     except TableError as exc:
-        return ManifestBuild([], {}, float("nan"), wall, done.returncode, f"{exc}; exit {done.returncode}:\n{tail}")
+        counts = dict(built=0, cached=0, failed=0)
+        return ManifestBuild([], counts, float("nan"), wall, done.returncode, f"{exc}; exit {done.returncode}\n{tail}")
     return ManifestBuild(rows, counts, seconds, wall, done.returncode, tail if done.returncode else "")

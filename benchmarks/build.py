@@ -116,10 +116,13 @@ def run_peers(rows: list[dict]) -> tuple[str | None, str]:
 def run_manifest(args) -> tuple[list[dict], dict, bool]:
     """`attnforge build` of the manifest: its per-module rows, its totals and whether it succeeded."""
     done = _manifest_build.build(args.manifest, args.arch, args.jobs or _parallel())
+    # a failed module is a row of the table; only a run without a table needs a note
     total = dict(modules=len(done.modules), **done.counts, build_s=done.build_s, wall_s=done.wall_s,
-                 exit_code=done.exit_code, notes=done.error.splitlines()[0] if done.error else "")
+                 exit_code=done.exit_code, notes=done.error.splitlines()[0] if done.error and not done.modules else "")
+    print("| module | seconds | size (MiB) |\n|---|---|---|")
     for row in done.modules:
-        print(f"| {row['module']} | {_cells(row['seconds'])} | {_cells(row['size_mib'])} MiB |")
+        seconds = row["status"] if row["seconds"] is None else f"{row['seconds']:.1f}"
+        print(f"| {row['module']} | {seconds} | {_cells(row['size_mib'])} |")
     print(f"manifest: {total['modules']} modules in {done.wall_s:.1f} s wall, exit {done.exit_code}", flush=True)
     if done.error:
         print(done.error)
@@ -127,7 +130,7 @@ def run_manifest(args) -> tuple[list[dict], dict, bool]:
 
 
 def _cells(value: float | None) -> str:
-    return "failed" if value is None else f"{value:.1f}"
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def _arch(text: str) -> str:

@@ -266,8 +266,8 @@ def manifest_lines(run: Run) -> list[str]:
     lines = [f"`{m['command']}` ({m['name']} manifest, {', '.join(m['archs'])}; {m['parallel']} module builds at "
              f"once on {run['config']['cpu_count']} CPUs): {t['modules']} modules ({t['built']} built, "
              f"{t['failed']} failed) in {num(t['wall_s'])} s of wall time, process start included "
-             f"({num(t['build_s'])} s by its own count), exit status {t['exit_code']}."
-             + (f" {t['notes']}" if t["notes"] else "")]
+             f"({num(t['build_s'])} s by its own count), exit status {t['exit_code']}"
+             + (f"; {t['notes']}." if t["notes"] else ".")]
     modules = run.table("manifest")
     if modules:
         body = [[r["module"], num(r["seconds"]) if r["status"] == "built" else r["status"], num(r["size_mib"])]

@@ -223,7 +223,10 @@ def test_a_failed_build_of_ours_exits_1_with_its_tail(tmp_path, monkeypatch, cap
 TINY_MANIFEST = textwrap.dedent("""\
     [[group]]
     kind = "decode"
+    backend = "fa2"
     dtype_q = "bf16"
+    dtype_kv = "same_as_q"
+    dtype_o = "default"
     head_dim = 128
     archs = "80"
     """)
@@ -250,3 +253,18 @@ def test_a_real_run_times_cold_builds_and_the_manifest(tmp_path, monkeypatch):
     assert module["size_mib"] > 0
     text = report.render(report.load([str(out)]))
     assert f"| {spec.uri} | {module['seconds']:.1f} | {module['size_mib']:.1f} |" in text
+
+
+def test_a_manifest_build_that_prints_no_table_is_recorded_and_rendered(tmp_path, monkeypatch):
+    """A manifest attnforge build refuses (exit 2, nothing compiled): the benchmark exits 1 and the report
+    says why in one sentence."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[group]]\nkind = "decode"\n')
+    out = tmp_path / "bench-build.json"
+    monkeypatch.setattr(_cold_build, "ours", lambda spec: _cold_build.Timing(2.0))
+    assert build.main(["--no-peers", "--families", "decode-fa2", "--manifest", str(bad), "--out", str(out)]) == 1
+    (total,) = json.loads(out.read_text())["tables"]["manifest_total"]
+    assert (total["modules"], total["built"], total["failed"], total["exit_code"]) == (0, 0, 0, 2)
+    assert total["notes"] == "no closing table (a 'module  seconds  size' header) in attnforge build's output; exit 2"
+    text = " ".join(report.render(report.load([str(out)])).split())
+    assert "0 modules (0 built, 0 failed) in" in text and "exit status 2; no closing table" in text
