@@ -239,9 +239,41 @@ def fp8_section(run: Run) -> list[str]:
 
 
 def build_section(run: Run) -> list[str]:
+    """Cold builds per family against FlashInfer's cold JIT, then the default manifest's `attnforge build`."""
     c, rows = run["config"], run.table("build")
-    return [run_line(run), "", f"Cold build: {c['what']}; {c['cpu_count']} CPUs, nvcc: {c['nvcc']}.", ""] + table(
-        ["module", "arch", "cold build (s)"], [[r["module"], r["arch"], num(r["cold_build_s"])] for r in rows], left=2)
+    peer = (f"FlashInfer {c['flashinfer_version']}: {c['flashinfer_what']}" if c["flashinfer_version"]
+            else f"FlashInfer: {c['flashinfer_note']}")
+    lines = [run_line(run), "",
+             f"Cold build of one module per family, each alone: {c['what']}; {c['cpu_count']} CPUs, nvcc: "
+             f"{c['nvcc']}. {peer}. Speed-up: FlashInfer's seconds over ours.", ""]
+    header = ["module", "arch", "ours (s), incl. process start", "FlashInfer (s), incl. process start",
+              "speed-up vs FlashInfer"]
+    body = [[r["module"], r["arch"], num(r["cold_build_s"]), num(r["flashinfer_s"]),
+             faster(r["cold_build_s"], r["flashinfer_s"], times=True)] for r in rows]
+    lines += table(header, body, left=2) + notes(rows, lambda r: f"{r['module']} {r['arch']}")
+    return lines + ["", *manifest_lines(run)]
+
+
+def manifest_lines(run: Run) -> list[str]:
+    """The manifest build's totals and per-module table, or why there is none."""
+    m = run["config"]["manifest"]
+    if m is None:
+        return ["The manifest build was not run (--no-manifest)."]
+    totals = run.table("manifest_total")
+    if not totals:
+        return [f"`{m['command']}` did not finish: the run stopped before it ended."]
+    t = totals[0]
+    lines = [f"`{m['command']}` ({m['name']} manifest, {', '.join(m['archs'])}; {m['parallel']} module builds at "
+             f"once on {run['config']['cpu_count']} CPUs): {t['modules']} modules ({t['built']} built, "
+             f"{t['failed']} failed) in {num(t['wall_s'])} s of wall time, process start included "
+             f"({num(t['build_s'])} s by its own count), exit status {t['exit_code']}"
+             + (f"; {t['notes']}." if t["notes"] else ".")]
+    modules = run.table("manifest")
+    if modules:
+        body = [[r["module"], num(r["seconds"]) if r["status"] == "built" else r["status"], num(r["size_mib"])]
+                for r in modules]
+        lines += ["", *table(["module", "seconds", "size (MiB)"], body)]
+    return lines
 
 
 def render(runs: dict[str, Run]) -> str:

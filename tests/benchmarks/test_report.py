@@ -75,8 +75,25 @@ FP8 = {
                         fp8_pct_copy_bw=88.0, rel_l2=1e-2, max_abs=3e-3)],
     },
 }
-BUILD = {**header("build"), "config": dict(what="render + nvcc + link", cpu_count=16, nvcc="release 13.0"),
-         "tables": {"build": [dict(module="decode fa2 bf16 hd128", arch="sm_90a", cold_build_s=4.44)]}}
+MANIFEST = dict(name="default", archs=["sm_90a"], parallel=4,
+                command="attnforge build --arch 90a -j 4 --cache-dir <empty dir>")
+BUILD = {
+    **header("build"),
+    "config": dict(what="render + nvcc + link", cpu_count=16, nvcc="release 13.0", flashinfer_what="build_jit_specs",
+                   flashinfer_version="0.7.4", flashinfer_note="", manifest=MANIFEST),
+    "tables": {
+        "build": [dict(module="decode fa2 bf16 hd128", family="decode-fa2", arch="sm_90a", head_dim=128,
+                       cold_build_s=4.44, flashinfer_s=14.9, notes=""),
+                  dict(module="prefill fa3 bf16 hd128", family="prefill-fa3", arch="sm_90a", head_dim=128,
+                       cold_build_s=28.0, flashinfer_s=None, notes="FlashInfer's build failed (exit 1)"),
+                  dict(module="prefill fa3 e4m3 q/kv, bf16 o hd128", family="prefill-fa3-e4m3", arch="sm_90a",
+                       head_dim=128, cold_build_s=30.0, flashinfer_s=None, notes="")],
+        "manifest": [dict(module="decode_fa2_qbf16_hd128_abc", status="built", seconds=6.31, size_mib=1.5),
+                     dict(module="prefill_fa3_qbf16_hd128_def", status="failed", seconds=None, size_mib=None)],
+        "manifest_total": [dict(modules=2, built=1, cached=0, failed=1, build_s=80.0, wall_s=81.5, exit_code=1,
+                                notes="")],
+    },
+}
 RECORDS = {"build": BUILD, "decode": DECODE, "prefill": PREFILL, "fp8": FP8}
 
 
@@ -157,7 +174,17 @@ def test_every_family_has_its_run_line_peers_and_ratios(files, capsys):
     assert row(lines, "| 4 x 4096 | 256 (16/4) | no |")[3:] == ["300.0", "320.0", "400.0", "0.80", "2.50e-03"]
     assert row(lines, "| tensor cores (fa2) |") == ["tensor cores (fa2)", "1", "270.0", "97.0", "150.0", "88.0",
                                                    "1.80", "1.00e-02"]
-    assert row(section(text, "Build times"), "| decode fa2") == ["decode fa2 bf16 hd128", "sm_90a", "4.4"]
+
+    lines = section(text, "Build times")
+    assert columns(lines, "module")[2:] == ["ours (s), incl. process start", "FlashInfer (s), incl. process start",
+                                           "speed-up vs FlashInfer"]
+    assert row(lines, "| decode fa2") == ["decode fa2 bf16 hd128", "sm_90a", "4.4", "14.9", "3.36"]
+    assert row(lines, "| prefill fa3 bf16") == ["prefill fa3 bf16 hd128", "sm_90a", "28.0", "n/a", "n/a"]
+    assert "- prefill fa3 bf16 hd128 sm_90a: FlashInfer's build failed (exit 1)" in lines
+    assert ("`attnforge build --arch 90a -j 4 --cache-dir <empty dir>` (default manifest, sm_90a; 4 module builds "
+            "at once on 16 CPUs): 2 modules (1 built, 1 failed) in 81.5 s of wall time") in prose(lines)
+    assert row(lines, "| decode_fa2_") == ["decode_fa2_qbf16_hd128_abc", "6.3", "1.5"]
+    assert row(lines, "| prefill_fa3_") == ["prefill_fa3_qbf16_hd128_def", "failed", "n/a"]
 
 
 def test_every_table_row_has_its_header_s_cells(files, capsys):
@@ -169,7 +196,7 @@ def test_every_table_row_has_its_header_s_cells(files, capsys):
         elif current:
             blocks.append(current)
             current = []
-    assert len(blocks) == 8
+    assert len(blocks) == 9
     for block in blocks:
         assert len({line.count("|") for line in block}) == 1, block[0]
         assert set(block[1].strip("|").replace(" ", "").split("|")) <= {"---", "---:"}
@@ -234,6 +261,7 @@ def test_records_written_by_the_benchmarks_render(tmp_path, monkeypatch, capsys)
     prow = prefill.Row(4, 4096, 128, True, 10.0, 8.0, 300.0, 320.0, 550.0, 600.0, 560.0, 330.0)
     tc = {"group": 4, "max_abs_diff": 0.0, **{f"{key}_{what}": 1.0 for key, _, _ in prefill.DECODE_PATHS
                                               for what in ("us", "pct_copy_bw")}}
+    bargs = build.parse_args([])
     records = {
         "decode": (decode.config(decode.parse_args([])), dict(
             decode=[asdict(drow)], plan=[dict(batch=1, kv_len=decode.PLAN_KV_LEN, calls=decode.PLAN_CALLS, us=20.0)],
@@ -245,7 +273,8 @@ def test_records_written_by_the_benchmarks_render(tmp_path, monkeypatch, capsys)
             fa3_prefill=[asdict(fp8.PrefillRow(4, 4096, 256, False, 900.0, 1000.0, 625.0, None, 2e-2, 0.1))],
             fa2_fp8_kv_prefill=[asdict(fp8.Fp8KvPrefillRow(4, 4096, 128, True, 310.0, 320.0, 340.0, 2e-3, 1e-2))],
             decode=[asdict(fp8.DecodeRow("CUDA cores (fa2)", 1, 300.0, 150.0, 40.0, 41.0, 1e-2, 3e-3))])),
-        "build": (build.config(), dict(build=[dict(module="decode fa2 bf16 hd128", arch="sm_90a", cold_build_s=4.0)])),
+        "build": (build.config(bargs, None, "flashinfer is not importable (No module named 'flashinfer')"),
+                  dict(build=[{**r, "cold_build_s": 4.0} for r in build.cold_rows(bargs)[0]])),
     }
     paths = []
     for name, (config, tables) in records.items():
@@ -256,8 +285,11 @@ def test_records_written_by_the_benchmarks_render(tmp_path, monkeypatch, capsys)
                   "| 4 x 4096 | 128 (32/8) | yes | 550.0 | 600.0 |",
                   "| 4 x 4096 | 256 (16/4) | no | 900.0 | 1000.0 | 625.0 | n/a | 1.60 | n/a |",
                   "| 4 x 4096 | 128 (32/8) | yes | 310.0 |", "| CUDA cores (fa2) | 1 | 300.0 |",
-                  "| decode fa2 bf16 hd128 | sm_90a | 4.0 |", "| 4 | 1.0 | 1.0 |"):
+                  "| decode fa2 bf16 hd128 | sm_90a | 4.0 | n/a | n/a |",
+                  "| prefill fa3 e4m3 q/kv, bf16 o hd128 | sm_90a | 4.0 | n/a | n/a |", "| 4 | 1.0 | 1.0 |"):
         assert cells in text
+    assert "FlashInfer: flashinfer is not importable (No module named 'flashinfer')." in prose([text])
+    assert "--cache-dir <empty dir>` did not finish" in prose([text])
 
 
 def test_a_record_missing_a_field_is_refused_in_one_line(tmp_path, capsys):
