@@ -4,6 +4,7 @@ per-module seconds and sizes are read back from the closing table it prints
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -62,9 +63,17 @@ def command(manifest: Path | None, archs: list[str], parallel: int, cache: str) 
             *(arg for arch in archs for arg in ("--arch", arch)), "-j", str(parallel), "--cache-dir", cache]
 
 
-def build(manifest: Path | None, archs: list[str], parallel: int) -> ManifestBuild:
-    """Run `attnforge build` of `manifest` (None: the packaged default) for `archs` into an empty cache."""
-    with tempfile.TemporaryDirectory(prefix="attnforge-manifest-") as cache:
+def build(manifest: Path | None, archs: list[str], parallel: int, keep: Path | None = None) -> ManifestBuild:
+    """Run `attnforge build` of `manifest` (None: the packaged default) for `archs` into an empty cache:
+    a temporary one, or `keep` (created; it must not hold anything yet), left in place for later use."""
+    with contextlib.ExitStack() as stack:
+        if keep is None:
+            cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="attnforge-manifest-"))
+        else:
+            keep.mkdir(parents=True, exist_ok=True)
+            if any(keep.iterdir()):
+                raise ValueError(f"--keep-cache: {keep} is not empty; a cold build needs an empty cache")
+            cache = str(keep)
         started = time.perf_counter()
         done = subprocess.run(command(manifest, archs, parallel, cache), capture_output=True, text=True)
         wall = time.perf_counter() - started
