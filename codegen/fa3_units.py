@@ -15,7 +15,8 @@ from .spec import KernelSpec
 
 # The wgmma widths (N) CuTe's op selectors know without CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED. The
 # extended set's headers cost ~30 s of nvcc front end per unit (a 16-bit hd 128 unit: 46 s of CPU
-# with them, 20 s without), so only units whose tiles need another width define the macro. Within
+# with them, 20 s without), so only units whose tiles need another width define the macro, and
+# only for nvcc's device pass (the host pass, which issues no wgmma, paid ~20 s of it). Within
 # this set the selector picks the same op with or without it (the tile's own width comes first).
 CUTE_BASE_WGMMA_WIDTHS = frozenset((8, 16, 32, 64, 96, 128, 192, 256))
 
