@@ -85,7 +85,8 @@ def module_layout(spec: KernelSpec) -> ModuleLayout:
              "ctypes.c_int32"),
             ("prefill_run", "[ctypes.POINTER(PrefillParams), ctypes.c_void_p]", "ctypes.c_int32"),
         ),
-        variants=tuple(prefill_variant(spec, tile, paged) for tile in prefill_cta_tiles(spec) for paged in (True, False)),
+        variants=tuple(prefill_variant(spec, tile, paged)
+                       for tile in prefill_cta_tiles(spec) for paged in (True, False)),
     )
 
 

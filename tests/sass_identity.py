@@ -175,7 +175,8 @@ def union_of(names: list[str], sass: dict[str, dict[str, list[str]]]) -> tuple[d
     return union, problems
 
 
-def compare_group(group: str, before: list[str], after: list[str], sass_before, sass_after) -> list[tuple[str, list[str], int]]:
+def compare_group(group: str, before: list[str], after: list[str], sass_before: dict, sass_after: dict
+                  ) -> list[tuple[str, list[str], int]]:
     """(label, problems, functions) per comparison of one module and arch: per unit where both sides
     have the same units, else the union of the units' functions."""
     if [unit_file(n) for n in before] == [unit_file(n) for n in after]:
@@ -203,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     base = parser.add_mutually_exclusive_group(required=True)
     base.add_argument("--base", help="git revision whose machine code is the reference")
-    base.add_argument("--base-dir", type=Path, help="a folder holding the reference's generated/ and templates/include/")
+    base.add_argument("--base-dir", type=Path,
+                      help="a folder holding the reference's generated/, templates/include/ and runtime/build.py")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="nvcc processes at once")
     parser.add_argument("--only", help="only modules whose uri contains this")
     parser.add_argument("--keep", type=Path, help="keep the cubins here (default: a temporary folder)")
@@ -224,14 +226,15 @@ def main(argv: list[str] | None = None) -> int:
             jobs_after = {n: pool.submit(sass_of, u, work / "cubin" / "after") for n, u in after.items()}
             sass_before = {n: job.result() for n, job in jobs_before.items()}
             sass_after = {n: job.result() for n, job in jobs_after.items()}
-        results = [result for group in sorted(groups_before)
-                   for result in compare_group(group, groups_before[group], groups_after[group], sass_before, sass_after)]
+        results = [result for group in sorted(groups_before) for result in
+                   compare_group(group, groups_before[group], groups_after[group], sass_before, sass_after)]
         for label, problems, functions in results:
             print(f"{'identical' if not problems else 'DIFFERENT'}  {label}  ({functions} functions)")
             for problem in problems:
                 print(f"    {problem}")
     failed = sum(bool(problems) for _, problems, _ in results)
-    print(f"sass_identity: {len(results) - failed} of {len(results)} comparisons identical to {args.base or args.base_dir}")
+    print(f"sass_identity: {len(results) - failed} of {len(results)} comparisons identical to "
+          f"{args.base or args.base_dir}")
     return 1 if failed else 0
 
 
