@@ -1,8 +1,8 @@
 """Rendering: a valid spec becomes a folder of sources (the "describe" step; no compiler runs here).
 
 One strict Jinja environment; same spec -> byte-identical files (sorted iteration, no timestamps).
-A folder per uri holds the kernel translation units (one per compiled variant, so ninja builds them
-in parallel), the C-ABI entry points, the generated Python binding and metadata.json.
+A folder per uri holds the kernel translation units (one per kernel instantiation, so ninja builds
+them in parallel), the C-ABI entry points, the generated Python binding and metadata.json.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import jinja2
 
 from . import abi
+from .fa3_units import INSTANCES, Instance, fa3_cta_tile, fa3_extended_wgmma, fa3_instances, fa3_kv_tile
 from .rules import ensure_valid
 from .sources import source_hash, templates_dir
 from .spec import Backend, KernelSpec, Kind, PosEncoding
@@ -26,18 +27,6 @@ DECODE_HEADS_PER_CTA = (1, 2, 4, 8)
 # Packed query rows per CTA the prefill kernel is compiled for (plan() picks one per batch).
 PREFILL_CTA_TILES = (16, 64, 128)
 METADATA = "metadata.json"
-
-
-def fa3_cta_tile(spec: KernelSpec) -> int:
-    """The FA3 kernel's one tile: a consumer warpgroup per 64 rows, three at 16-bit head dim 64, at
-    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (fa3/traits.cuh,
-    PrefillTraits::kConsumerWarpgroups), else two."""
-    if spec.dtype_kv.is_fp8:
-        three = spec.head_dim_vo <= 128
-    else:
-        three = spec.head_dim_qk == spec.head_dim_vo == 64 or (
-            spec.head_dim_qk == spec.head_dim_vo == 128 and not spec.use_sliding_window and not spec.use_logits_soft_cap)
-    return 192 if three else 128
 
 
 def prefill_cta_tiles(spec: KernelSpec) -> tuple[int, ...]:
@@ -50,11 +39,13 @@ def prefill_cta_tiles(spec: KernelSpec) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Variant:
-    """One kernel instantiation, rendered into its own translation unit `<name>.cu`."""
+    """One kernel launcher, rendered into its own translation unit `<name>.cu`, and the further
+    instantiations it launches, each in a unit `<name>_<instance>.cu` of its own."""
 
     name: str
     template: str
     context: tuple[tuple[str, object], ...]
+    instances: tuple[Instance, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,7 +75,6 @@ def module_layout(spec: KernelSpec) -> ModuleLayout:
             variants=tuple(Variant(f"decode_h{h}", "decode_variant.cu.jinja", (("heads", h),))
                            for h in DECODE_HEADS_PER_CTA),
         )
-    variant_suffix = "_fa3" if spec.backend is Backend.FA3 else ""
     return ModuleLayout(
         params_struct="PrefillParams",
         structs=abi.PREFILL_STRUCTS,
@@ -95,10 +85,20 @@ def module_layout(spec: KernelSpec) -> ModuleLayout:
              "ctypes.c_int32"),
             ("prefill_run", "[ctypes.POINTER(PrefillParams), ctypes.c_void_p]", "ctypes.c_int32"),
         ),
-        variants=tuple(Variant(f"prefill_q{tile}_{kv}", f"prefill_variant{variant_suffix}.cu.jinja",
-                               (("tile", tile), ("paged", kv == "paged")))
-                       for tile in prefill_cta_tiles(spec) for kv in ("paged", "ragged")),
+        variants=tuple(prefill_variant(spec, tile, paged)
+                       for tile in prefill_cta_tiles(spec) for paged in (True, False)),
     )
+
+
+def prefill_variant(spec: KernelSpec, tile: int, paged: bool) -> Variant:
+    name = f"prefill_q{tile}_{'paged' if paged else 'ragged'}"
+    context = (("tile", tile), ("paged", paged))
+    if spec.backend is Backend.FA2:
+        return Variant(name, "prefill_variant.cu.jinja", context)
+    instances = fa3_instances(spec, paged)
+    context += (("kv_tile", fa3_kv_tile(spec, paged)), ("extended_wgmma", fa3_extended_wgmma(spec, paged)),
+                ("instance_flags", tuple((instance.flag, instance in instances) for instance in INSTANCES)))
+    return Variant(name, "prefill_variant_fa3.cu.jinja", context, instances)
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,11 @@ def render(spec: KernelSpec) -> RenderedModule:
         "binding.py": env.get_template("binding.py.jinja").render(ctx),
     }
     for variant in layout.variants:
-        files[f"{variant.name}.cu"] = env.get_template(variant.template).render(ctx, **dict(variant.context))
+        files[f"{variant.name}.cu"] = env.get_template(variant.template).render(
+            ctx, **dict(variant.context), variant_instances=variant.instances)
+        for instance in variant.instances:
+            files[f"{variant.name}_{instance.name}.cu"] = env.get_template("prefill_instance_fa3.cu.jinja").render(
+                ctx, **dict(variant.context), instance=instance)
     files[METADATA] = _metadata(spec, ctx["uri"], files)
     return RenderedModule(spec=spec, uri=ctx["uri"], files=dict(sorted(files.items())))
 

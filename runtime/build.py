@@ -51,10 +51,12 @@ NVCC_FLAGS = (
     "-Xcompiler=-fPIC,-fvisibility=hidden",
 )
 LINK_FLAGS = ("-shared", "-cudart=static", "-lrt", "-ldl", "-lpthread")
-# FA3 kernels are written with CuTe: its headers, and the wgmma shapes FA3's tiles need.
+# FA3 kernels are written with CuTe (its include dir is added per build); the units whose tiles need
+# CuTe's extended wgmma shapes define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED themselves, since those
+# headers cost most of a unit's compile time (codegen/fa3_units.py).
 # ptxas -v: some reports of serialized wgmma (C7520, a dependence in a divergent path) come only as
 # info lines, and the build output is scanned for them.
-FA3_FLAGS = ("-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED", "-Xptxas=-v")
+FA3_FLAGS = ("-Xptxas=-v",)
 # ptxas "wgmma.mma_async instructions are serialized" (C7510 as a warning, C7520 and C7512 as info,
 # and whatever code comes next): the module would run several times slower than it should (a C7520
 # build ran at 37 instead of 600 TFLOP/s; fp8 hd 256 serialized for want of registers, C7512, ran

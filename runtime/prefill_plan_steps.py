@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from attnforge.codegen.dtypes import DType
-from attnforge.codegen.render import fa3_cta_tile
+from attnforge.codegen.fa3_units import fa3_cta_tile
 from attnforge.codegen.spec import Backend, PosEncoding
 
 from . import checks, dispatch, kv_cache

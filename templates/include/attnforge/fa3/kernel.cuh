@@ -1,9 +1,12 @@
 // Role: the FA3 prefill kernel as a composition (producer warpgroup + consumer warpgroups over a
 //   persistent job loop), its barriers' initialization, the TMA descriptors encoded per launch,
 //   and the launch with its choice of instantiation (decode items, V transposed ahead).
-// Contract: launch_prefill<T>(params, stream) launches min(work_capacity x num_kv_heads, max_ctas)
-//   CTAs on the caller's stream and returns the launch's cudaError_t; prefill_occupancy gives the
-//   CTAs per SM that plan() sizes max_ctas with.
+// Contract: launch_prefill<T>(params, stream) picks the instantiation for the plan and calls its
+//   launch_instance<U>, which launches min(work_capacity x num_kv_heads, max_ctas) CTAs on the
+//   caller's stream and returns the launch's cudaError_t; prefill_occupancy gives the CTAs per SM
+//   that plan() sizes max_ctas with. A module compiles each launch_instance<U> in a translation
+//   unit of its own (declared `extern template` where launch_prefill is), so nvcc builds them in
+//   parallel.
 // Must not: synchronize or allocate; decide the schedule (the plan did).
 #pragma once
 
@@ -146,29 +149,7 @@ cudaError_t prefill_occupancy(int* ctas_per_sm) {
 // One persistent CTA per SM slot (max_ctas, which plan() sized with prefill_occupancy), never more
 // than the jobs the plan can hold (so a CUDA graph's grid stays fixed: both are static there).
 template <typename T>
-cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
-  if constexpr (T::kHasVtAhead && !T::kVtAhead) {
-    // Ragged K shorter than a tile is gathered, which the kernel with V transposed ahead never
-    // expects (GatheredOperands): such a launch transposes V itself.
-    if (p.v_transposed != nullptr && (T::kPagedKV || p.num_pages >= T::kBlockN)) {
-      return launch_prefill<typename T::WithVtAhead>(p, stream);
-    }
-  }
-  if constexpr (T::kHasDecodeItems && !T::kDecodeItems && !T::kVtAhead) {
-    // One query token per request: a decode instantiation (items of <= 64 rows leave consumer
-    // warpgroup 1 free to transpose V; it checks each item's rows itself). Items of at most 8
-    // rows, which the plan vouches for (one_token_requests), run with the keys along M.
-    if constexpr (T::kHasKeysAlongM) {
-      if (p.one_token_requests && p.group_size <= 8) {
-        return launch_prefill<typename T::template WithDecodeRows<8>>(p, stream);
-      }
-    }
-    // The plan's q tiles are this kernel's: the decode instantiation (two consumer warpgroups) takes
-    // them where they are its own too, or where a request's rows fit in its one tile.
-    using Decode = typename T::template WithDecodeRows<64>;
-    const bool decode_tiles = T::kBlockM == Decode::kBlockM || p.group_size <= Decode::kBlockM;
-    if (p.q_tokens == p.batch_size && decode_tiles) return launch_prefill<Decode>(p, stream);
-  }
+cudaError_t launch_instance(const typename T::Params& p, cudaStream_t stream) {
   cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
   KernelArgs<T> args{};
@@ -185,6 +166,35 @@ cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
   if (grid == 0) return cudaSuccess;
   prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
+}
+
+// The instantiation a plan runs on: T itself, or one of its variants (V transposed ahead, decode items).
+template <typename T>
+cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
+  static_assert(!T::kVtAhead && !T::kDecodeItems, "fa3 launch_prefill: takes the prefill instantiation, not a variant");
+  if constexpr (T::kHasVtAhead) {
+    // Ragged K shorter than a tile is gathered, which the kernel with V transposed ahead never
+    // expects (GatheredOperands): such a launch transposes V itself.
+    if (p.v_transposed != nullptr && (T::kPagedKV || p.num_pages >= T::kBlockN)) {
+      return launch_instance<typename T::WithVtAhead>(p, stream);
+    }
+  }
+  if constexpr (T::kHasDecodeItems) {
+    // One query token per request: a decode instantiation (items of <= 64 rows leave consumer
+    // warpgroup 1 free to transpose V; it checks each item's rows itself). Items of at most 8
+    // rows, which the plan vouches for (one_token_requests), run with the keys along M.
+    if constexpr (T::kHasKeysAlongM) {
+      if (p.one_token_requests && p.group_size <= 8) {
+        return launch_instance<typename T::template WithDecodeRows<8>>(p, stream);
+      }
+    }
+    // The plan's q tiles are this kernel's: the decode instantiation (two consumer warpgroups) takes
+    // them where they are its own too, or where a request's rows fit in its one tile.
+    using Decode = typename T::template WithDecodeRows<64>;
+    const bool decode_tiles = T::kBlockM == Decode::kBlockM || p.group_size <= Decode::kBlockM;
+    if (p.q_tokens == p.batch_size && decode_tiles) return launch_instance<Decode>(p, stream);
+  }
+  return launch_instance<T>(p, stream);
 }
 
 }  // namespace attnforge::fa3
