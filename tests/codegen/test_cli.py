@@ -150,10 +150,12 @@ def test_bench_report_renders_a_record(tmp_path, capsys):
 
     record = {"schema": 1, "benchmark": "build", "date": "2026-12-03T10:11:12Z", "gpu": "NVIDIA H200",
               "commit": "unknown", "attnforge_version": "0.1.0", "torch": "2.11.0", "cuda": "13.0",
-              "config": {"what": "cold", "cpu_count": 16, "nvcc": "13.0"},
-              "tables": {"build": [{"module": "decode fa2 bf16 hd128", "arch": "sm_90a", "cold_build_s": 4.4}]}}
+              "config": {"what": "cold", "cpu_count": 16, "nvcc": "13.0", "flashinfer_version": None,
+                         "flashinfer_what": "", "flashinfer_note": "not run (--no-peers)", "manifest": None},
+              "tables": {"build": [{"module": "decode fa2 bf16 hd128", "arch": "sm_90a", "cold_build_s": 4.4,
+                                    "flashinfer_s": None, "notes": ""}]}}
     path = tmp_path / "bench-build.json"
     path.write_text(json.dumps(record))
     assert main(["bench", "report", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("# Benchmarks") and "| decode fa2 bf16 hd128 | sm_90a | 4.4 |" in out
+    assert out.startswith("# Benchmarks") and "| decode fa2 bf16 hd128 | sm_90a | 4.4 | n/a | n/a |" in out
