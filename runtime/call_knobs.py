@@ -37,9 +37,16 @@ def normalized(head_dim_qk: int, *, pos_encoding_mode, window_left, logits_soft_
     return knobs
 
 
+def _same(a, b) -> bool:
+    # head_dim ** -0.5 and 1 / sqrt(head_dim) differ in the last bit: the same scale.
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12)
+    return a == b
+
+
 def changed(given: dict, planned: dict) -> list[str]:
     """Names of the knobs whose call-time value differs from the planned one."""
-    return [name for name, value in given.items() if planned[name] != value]
+    return [name for name, value in given.items() if not _same(planned[name], value)]
 
 
 def needs_new_plan(names: list[str], given: dict, planned: dict) -> bool:
