@@ -18,13 +18,20 @@ __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "fast_decode_plan",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
     "decode_workspace_size",
     "merge_state",
     "merge_states",
+    "merge_state_in_place",
     "packbits",
     "segment_packbits",
+    "append_paged_kv_cache",
+    "get_batch_indices_positions",
+    "get_seq_lens",
     "UnsupportedSpecError",
 ]
 
@@ -44,6 +51,14 @@ _LAZY = {
     "BatchPrefillWithPagedKVCacheWrapper": ("attnforge.prefill", "BatchPrefillWithPagedKVCacheWrapper"),
     "BatchPrefillWithRaggedKVCacheWrapper": ("attnforge.prefill", "BatchPrefillWithRaggedKVCacheWrapper"),
     "single_prefill_with_kv_cache": ("attnforge.prefill", "single_prefill_with_kv_cache"),
+    "single_prefill_with_kv_cache_return_lse": ("attnforge.prefill", "single_prefill_with_kv_cache_return_lse"),
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper": ("attnforge.decode_graph",
+                                                    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper"),
+    "fast_decode_plan": ("attnforge.decode_graph", "fast_decode_plan"),
+    "merge_state_in_place": ("attnforge.cascade", "merge_state_in_place"),
+    "append_paged_kv_cache": ("attnforge.page", "append_paged_kv_cache"),
+    "get_batch_indices_positions": ("attnforge.page", "get_batch_indices_positions"),
+    "get_seq_lens": ("attnforge.page", "get_seq_lens"),
     "decode_workspace_size": ("attnforge.decode", "decode_workspace_size"),
     "merge_state": ("attnforge.merge", "merge_state"),
     "merge_states": ("attnforge.merge", "merge_states"),
@@ -53,8 +68,17 @@ _LAZY = {
 }
 
 
+# FlashInfer's submodule paths (`flashinfer.cascade.merge_state`), reachable as attributes after
+# `import attnforge as flashinfer` alone, as FlashInfer's are.
+_SUBMODULES = frozenset({"decode", "prefill", "cascade", "page", "quantization"})
+
+
 def __getattr__(name: str):
     # The CLI imports attnforge.codegen without paying for torch; the API loads on first touch.
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"attnforge.{name}")
     if name in _LAZY:
         import importlib
 

@@ -4,6 +4,7 @@ what was given. Checks read tensor metadata only: none of them synchronizes with
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -121,14 +122,22 @@ def scale(value, name: str) -> float | None:
     return float(value)
 
 
+_warned_extra_args = False
+
+
 def positional_scales(args: tuple, fp8_query: bool, q_scale, k_scale, v_scale) -> tuple:
     """FlashInfer's fa3 fp8 form run(q, kv..., q_scale, k_scale, v_scale): with an fp8 query the
-    three extra positional arguments are the scales (then not also given as keywords)."""
+    three extra positional arguments are the scales (then not also given as keywords). With a
+    16-bit query FlashInfer ignores extra positional arguments: so do we, warning once."""
+    global _warned_extra_args
     if not args:
         return q_scale, k_scale, v_scale
     if not fp8_query:
-        raise TypeError("run(): positional scales are only accepted with an fp8 query; pass q_scale/k_scale/"
-                        "v_scale as keywords")
+        if not _warned_extra_args:
+            _warned_extra_args = True
+            warnings.warn(f"run(): {len(args)} extra positional argument(s) ignored, as FlashInfer ignores them with a "
+                          "16-bit query; pass q_scale/k_scale/v_scale as keywords", stacklevel=3)
+        return q_scale, k_scale, v_scale
     if len(args) != 3:
         raise TypeError(f"run(): with an fp8 query the extra positional arguments are (q_scale, k_scale, v_scale), "
                         f"got {len(args)}")

@@ -10,6 +10,7 @@ waits for the GPU, so it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
 from attnforge.codegen.dtypes import DType
 from attnforge.codegen.spec import PosEncoding
 
-from . import checks, dispatch, kv_cache
+from . import call_knobs, checks, dispatch, kv_cache
 from .loader import Module, load
 from .plan_buffers import cuda_index, current_stream, lse_output, num_sms, output, score_scales, split_tokens
 from .planner import (
@@ -30,6 +31,14 @@ from .planner import (
     heads_per_cta,
     partial_bytes,
     work_capacity,
+)
+from .decode_inputs import (
+    DecodeKnobs,
+    DecodePlanInputs,
+    check_knobs,
+    refuse_extras,
+    refuse_run_extras,
+    resolve_data_type,
 )
 from .settings import settings
 
@@ -129,14 +138,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
                  paged_kv_indices_buffer: torch.Tensor | None = None,
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto",
-                 jit_args=None) -> None:
+                 jit_args=None, jit_kwargs=None) -> None:
         checks.tensor(float_workspace_buffer, "float_workspace_buffer")
         if not float_workspace_buffer.is_cuda or not float_workspace_buffer.is_contiguous():
             raise ValueError("float_workspace_buffer: expected a contiguous CUDA tensor, got "
                              f"{'a non-contiguous' if float_workspace_buffer.is_cuda else 'a ' + str(float_workspace_buffer.device)} tensor")
         kv_cache.check_layout(kv_layout)
-        if jit_args is not None:
-            raise ValueError("jit_args: custom attention variants are not supported; leave jit_args=None")
+        if jit_args is not None or jit_kwargs is not None:
+            raise ValueError("jit_args/jit_kwargs: custom attention variants are not supported; leave them None")
         self._backend = dispatch.parse_backend(backend)
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
@@ -145,15 +154,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._graph_batch_size = None
         self._graph_indices = None
         if self._graph:
-            if paged_kv_indices_buffer is None:
-                raise ValueError("paged_kv_indices_buffer: use_cuda_graph=True needs a preallocated int32 CUDA buffer "
-                                 "for the page ids, so the captured kernels read a fixed address")
-            checks.tensor(paged_kv_indices_buffer, "paged_kv_indices_buffer")
-            checks.dtype(paged_kv_indices_buffer, "paged_kv_indices_buffer", torch.int32)
-            checks.device(paged_kv_indices_buffer, "paged_kv_indices_buffer", self._device)
+            self._check_graph_buffers(paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
             self._graph_indices = paged_kv_indices_buffer
             if paged_kv_indptr_buffer is not None:
                 self._graph_batch_size = paged_kv_indptr_buffer.numel() - 1
+        # FlashInfer's names for the buffers engines write between plan() and a graph replay: the
+        # kernels read the page ids; plan() keeps indptr and last_page_len there for the engine.
+        self._paged_kv_indptr_buf = paged_kv_indptr_buffer if self._graph else None
+        self._paged_kv_indices_buf = paged_kv_indices_buffer if self._graph else None
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer if self._graph else None
+        self._fixed_batch_size = self._graph_batch_size or 0
+        self._qo_indptr_buf = None
+        if self._graph and use_tensor_cores and self._graph_batch_size is not None:
+            self._qo_indptr_buf = torch.arange(self._graph_batch_size + 1, dtype=torch.int32, device=self._device)
+        self._plan_inputs: DecodePlanInputs | None = None  # what forward() and fast_decode_plan plan again from
+        self._plan_call: tuple[torch.Tensor | None, bool] = (None, False)  # that plan's (host_indptr, reuse)
+        self._knobs: DecodeKnobs | None = None
         self._int_workspace = torch.empty(0, dtype=torch.int32, device=self._device)
         self._host_image = torch.empty(0, dtype=torch.int32)
         self._upload_done: torch.cuda.Event | None = None  # recorded by the module after each upload
@@ -172,6 +188,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 backend="fa2" if self._backend == "auto" else self._backend)
             self._tensor_cores._decode_plans = True
 
+    def _check_graph_buffers(self, indptr_buffer, indices_buffer, last_page_len_buffer) -> None:
+        if indices_buffer is None:
+            raise ValueError("paged_kv_indices_buffer: use_cuda_graph=True needs a preallocated int32 CUDA buffer "
+                             "for the page ids, so the captured kernels read a fixed address")
+        for name, buffer in (("paged_kv_indptr_buffer", indptr_buffer), ("paged_kv_indices_buffer", indices_buffer),
+                             ("paged_kv_last_page_len_buffer", last_page_len_buffer)):
+            if buffer is not None:
+                checks.tensor(buffer, name)
+                checks.dtype(buffer, name, torch.int32)
+                checks.device(buffer, name, self._device)
+        if indptr_buffer is not None and last_page_len_buffer is not None and \
+                indptr_buffer.numel() != last_page_len_buffer.numel() + 1:
+            raise ValueError(f"paged_kv_indptr_buffer: expected batch_size + 1 = {last_page_len_buffer.numel() + 1} "
+                             f"entries (one more than paged_kv_last_page_len_buffer), got {indptr_buffer.numel()}")
+
     @property
     def is_cuda_graph_enabled(self) -> bool:
         return self._graph
@@ -183,61 +214,101 @@ class BatchDecodeWithPagedKVCacheWrapper:
     # ------------------------------------------------------------------ plan
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
-             logits_soft_cap: float | None = None, q_data_type="float16", kv_data_type=None, data_type=None,
-             sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
-             non_blocking: bool = True, block_tables=None, seq_lens=None, fixed_split_size: int | None = None,
-             disable_split_kv: bool = False, o_data_type=None) -> None:
-        """Schedule a batch. indptr [batch+1] and last_page_len [batch] are int32 host tensors;
-        indices holds the page ids (int32, on the workspace's device or the host).
+             logits_soft_cap: float | None = None, q_data_type="float16", kv_data_type=None, o_data_type=None,
+             data_type=None, sm_scale: float | None = None, rope_scale: float | None = None,
+             rope_theta: float | None = None, non_blocking: bool = True, block_tables=None, seq_lens=None,
+             fixed_split_size: int | None = None, disable_split_kv: bool = False, q_len_per_req: int = 1, *,
+             window_right: int = 0, is_causal: bool | None = None, use_token_head_sf: bool = False) -> None:
+        """Schedule a batch. indptr [batch+1] and last_page_len [batch] are int32 (host tensors keep
+        plan() free of device syncs); indices holds the page ids (int32, on the workspace's device
+        or the host). Positional order and meanings are FlashInfer 0.7.4's; data_type (deprecated)
+        fills only the dtypes left None.
         fixed_split_size (pages) cuts every request into chunks of that size; under CUDA graphs the
         work-item capacity is static (max(batch, resident CTAs / CTAs per request)), and a fixed
         split that needs more work items is refused with the count it needs."""
-        if block_tables is not None or seq_lens is not None:
-            raise ValueError("block_tables/seq_lens: pass the page table as indptr, indices and last_page_len")
+        refuse_extras(block_tables=block_tables, seq_lens=seq_lens, q_len_per_req=q_len_per_req,
+                      window_right=window_right, is_causal=is_causal, use_token_head_sf=use_token_head_sf)
+        q_data_type, kv_data_type = resolve_data_type(q_data_type, kv_data_type, data_type)
+        self._plan_from(DecodePlanInputs(
+            indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+            window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
+            fixed_split_size, disable_split_kv))
+
+    begin_forward = plan
+
+    def _plan_from(self, inputs: DecodePlanInputs, host_indptr: torch.Tensor | None = None,
+                   reuse: bool = False) -> None:
+        """Plan from `inputs`. reuse (fast_decode_plan): keep the previous plan's checked knobs and
+        module when only the page table changed, and under CUDA graphs read the page ids the caller
+        wrote into paged_kv_indices_buffer instead of copying them there. host_indptr: a host copy
+        of inputs.indptr (FlashInfer's global_override_indptr_cpu)."""
+        self._plan_inputs, self._plan_call = inputs, (host_indptr, reuse)
         if self._tensor_cores is not None:
-            batch_size = checks.host_int32(indptr, "indptr").numel() - 1
-            if data_type is not None:
-                q_data_type = kv_data_type = data_type if kv_data_type is None else kv_data_type
-            self._tensor_cores.plan(
-                torch.arange(batch_size + 1, dtype=torch.int32), indptr, indices, last_page_len, num_qo_heads,
-                num_kv_heads, head_dim, page_size, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-                q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-                fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+            self._plan_tensor_cores(inputs, host_indptr)
             return
-        indptr = checks.host_int32(indptr, "indptr")
+        indptr = checks.host_int32(inputs.indptr if host_indptr is None else host_indptr, "indptr")
         batch_size = indptr.numel() - 1
         if batch_size < 1:
             raise ValueError(f"indptr: expected at least 2 entries (batch_size + 1), got {indptr.numel()}")
-        last_page_len = checks.host_int32(last_page_len, "last_page_len", batch_size)
-        kv_cache.check_page_ids(indices, "indices")
-        num_qo_heads, num_kv_heads = checks.heads(num_qo_heads, num_kv_heads)
-        head_dim = checks.positive_int(head_dim, "head_dim")
-        page_size = checks.positive_int(page_size, "page_size")
-        window_left = checks.window_left(window_left)
-        soft_cap = checks.soft_cap(logits_soft_cap)
-        sm_scale = checks.positive_float(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim))
-        checks.split_size(fixed_split_size)
+        knobs = self._knobs if reuse and self._knobs is not None and self._knobs.key == inputs.knobs_key() else None
+        if knobs is None:
+            knobs = check_knobs(inputs)
+        if reuse and knobs.page_size == 1:  # every last page holds its one token: no device read needed
+            last_page_len = torch.ones(batch_size, dtype=torch.int32)
+        else:
+            last_page_len = checks.host_int32(inputs.last_page_len, "last_page_len", batch_size)
+        kv_cache.check_page_ids(inputs.indices, "indices")
         if self._graph and self._graph_batch_size not in (None, batch_size):
             raise ValueError(f"indptr: this CUDA-graph wrapper was planned for batch_size={self._graph_batch_size}, "
                              f"got {batch_size}; a captured graph has a fixed batch size")
-
-        if data_type is not None:
-            q_data_type = kv_data_type = data_type if kv_data_type is None else kv_data_type
-        dtype_q, dtype_kv, dtype_o = dispatch.planned_dtypes(q_data_type, kv_data_type, o_data_type)
         device_index = cuda_index(self._device)
-        module = _decode_module(self._backend, dtype_q, dtype_kv, dtype_o, head_dim,
-                                dispatch.parse_pos_encoding(pos_encoding_mode), window_left >= 0, soft_cap > 0,
-                                device_index)
+        module = (self._plan.module if knobs is self._knobs and self._plan is not None else
+                  _decode_module(self._backend, knobs.dtype_q, knobs.dtype_kv, knobs.dtype_o, knobs.head_dim,
+                                 knobs.pos_encoding, knobs.window_left >= 0, knobs.soft_cap > 0, device_index))
+        self._knobs = knobs
+        indices, host_max_page = self._stage_indices(inputs, indptr, last_page_len, reuse)
+        self._schedule(knobs, module, indptr, last_page_len, indices, host_max_page, device_index)
 
-        indices, host_max_page = kv_cache.stage_page_ids(
-            indices, int(indptr[-1]) if not indices.is_cuda else 0, self._device, "indices", self._graph_indices,
-            "paged_kv_indices_buffer")
-        group = num_qo_heads // num_kv_heads
-        heads, tiles = heads_per_cta(group)
+    def _stage_indices(self, inputs: DecodePlanInputs, indptr: torch.Tensor, last_page_len: torch.Tensor,
+                       reuse: bool) -> tuple[torch.Tensor, int | None]:
+        """The page ids the kernel reads, on the device. Under CUDA graphs plan() also fills the
+        caller's indptr and last_page_len buffers, as FlashInfer's does; a re-plan (reuse) trusts
+        the caller to have written all three, as FlashInfer's fast_decode_plan does."""
+        indices = inputs.indices
+        if self._graph and reuse:
+            if indices.numel() > self._graph_indices.numel():
+                raise ValueError(f"paged_kv_indices_buffer: holds {self._graph_indices.numel()} page ids, the plan "
+                                 f"needs {indices.numel()}")
+            return self._graph_indices, None
+        if self._graph:
+            for buffer, values in ((self._paged_kv_indptr_buf, inputs.indptr),
+                                   (self._paged_kv_last_page_len_buf, inputs.last_page_len)):
+                if buffer is not None and buffer.data_ptr() != values.data_ptr():
+                    buffer[: values.numel()].copy_(values, non_blocking=True)
+        return kv_cache.stage_page_ids(indices, int(indptr[-1]) if not indices.is_cuda else 0, self._device,
+                                       "indices", self._graph_indices, "paged_kv_indices_buffer")
+
+    def _plan_tensor_cores(self, inputs: DecodePlanInputs, host_indptr: torch.Tensor | None) -> None:
+        indptr = checks.host_int32(inputs.indptr if host_indptr is None else host_indptr, "indptr")
+        self._tensor_cores.plan(
+            torch.arange(indptr.numel(), dtype=torch.int32), indptr, inputs.indices, inputs.last_page_len,
+            inputs.num_qo_heads, inputs.num_kv_heads, inputs.head_dim, inputs.page_size,
+            pos_encoding_mode=inputs.pos_encoding_mode, window_left=inputs.window_left,
+            logits_soft_cap=inputs.logits_soft_cap, sm_scale=inputs.sm_scale, rope_scale=inputs.rope_scale,
+            rope_theta=inputs.rope_theta, q_data_type=inputs.q_data_type, kv_data_type=inputs.kv_data_type,
+            o_data_type=inputs.o_data_type, fixed_split_size=inputs.fixed_split_size,
+            disable_split_kv=inputs.disable_split_kv)
+
+    def _schedule(self, knobs: DecodeKnobs, module: Module, indptr: torch.Tensor, last_page_len: torch.Tensor,
+                  indices: torch.Tensor, host_max_page: int | None, device_index: int) -> None:
+        """Run the module's C++ planner over the host page table, upload the plan image and build
+        the launch parameters run() patches."""
+        batch_size, num_qo_heads, num_kv_heads = indptr.numel() - 1, knobs.num_qo_heads, knobs.num_kv_heads
+        head_dim, page_size, window_left = knobs.head_dim, knobs.page_size, knobs.window_left
+        heads, tiles = heads_per_cta(num_qo_heads // num_kv_heads)
         ctas_per_request = num_kv_heads * tiles
         max_ctas = _max_ctas(module, heads, device_index)
-        fixed_tokens = split_tokens(fixed_split_size, page_size)
+        fixed_tokens = split_tokens(knobs.fixed_split_size, page_size)
         capacity = work_capacity(batch_size, max_ctas, ctas_per_request)
         if fixed_tokens and not self._graph:
             capacity = max(capacity, batch_size + -(-int(indptr[-1]) * page_size // fixed_tokens))
@@ -249,7 +320,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         binding = module.binding
         args_template, params_template = _struct_templates(
             module, batch_size, num_qo_heads, num_kv_heads, page_size, window_left, fixed_tokens,
-            bool(disable_split_kv), capacity, max_ctas, device_index, self._debug)
+            knobs.disable_split_kv, capacity, max_ctas, device_index, self._debug)
         args = binding.DecodePlanArgs.from_buffer_copy(args_template)
         args.indptr, args.last_page_len, args.image = indptr.data_ptr(), last_page_len.data_ptr(), image_ptr
         args.device_image, args.upload_stream = device_image_ptr, current_stream(device_index)
@@ -278,9 +349,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         params.run_merge = int(self._graph or info.num_partials > 0)
         self._plan = _Plan(
             module=module, params=params, batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, page_size=page_size, dtype_q=dispatch.torch_dtype(dtype_q),
-            dtype_kv=dispatch.torch_dtype(dtype_kv), dtype_o=dispatch.torch_dtype(dtype_o), sm_scale=float(sm_scale),
-            soft_cap=soft_cap, window_left=window_left, host_max_page=host_max_page, indices=indices)
+            head_dim=head_dim, page_size=page_size, dtype_q=dispatch.torch_dtype(knobs.dtype_q),
+            dtype_kv=dispatch.torch_dtype(knobs.dtype_kv), dtype_o=dispatch.torch_dtype(knobs.dtype_o),
+            sm_scale=knobs.sm_scale, soft_cap=knobs.soft_cap, window_left=window_left, host_max_page=host_max_page,
+            indices=indices)
         self._set_scales(1.0, 1.0)
 
     def _image_buffers(self, size: int) -> tuple[int, int]:
@@ -308,9 +380,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-            enable_pdl: bool | None = None, window_left: int | None = None, sinks=None):
+            enable_pdl: bool | None = None, window_left: int | None = None, sinks=None, q_len_per_req: int | None = None,
+            skip_softmax_threshold_scale_factor: float | None = None, kv_cache_sf=None):
         """Attention of q [batch, num_qo_heads, head_dim] over the planned pages of paged_kv_cache.
         Returns o (planned o dtype), or (o, lse) with lse [batch, num_qo_heads] fp32 base 2."""
+        if q_len_per_req not in (None, 1) or skip_softmax_threshold_scale_factor is not None or kv_cache_sf is not None:
+            refuse_run_extras(q_len_per_req, skip_softmax_threshold_scale_factor, kv_cache_sf)
         if self._tensor_cores is not None:
             return self._tensor_cores.run(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                           out=out, lse=lse, return_lse=return_lse, enable_pdl=enable_pdl,
@@ -318,7 +393,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan(): call plan() with the batch's page table first")
-        # rule fa2-no-fp8-q: a CUDA-core decode query is 16-bit, so positional scales are refused.
+        # rule fa2-no-fp8-q: a CUDA-core decode query is 16-bit; FlashInfer ignores extra positional arguments then.
         q_scale, k_scale, v_scale = checks.positional_scales(args, False, q_scale, k_scale, v_scale)
         checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the decode kernel")
         checks.tensor(q, "q")
@@ -359,7 +434,49 @@ class BatchDecodeWithPagedKVCacheWrapper:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
 
-    forward = run
+    def run_return_lse(self, q: torch.Tensor, paged_kv_cache, *args, **kwargs):
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    def forward(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE", q_scale=None, k_scale=None,
+                v_scale=None, window_left: int = -1, logits_soft_cap: float | None = None,
+                sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None):
+        """Deprecated (FlashInfer's): run() with these knobs replacing plan()'s (see call_knobs)."""
+        self._apply_call_knobs(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                               logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                               rope_theta=rope_theta)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+
+    def forward_return_lse(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE", q_scale=None,
+                           k_scale=None, v_scale=None, window_left: int = -1, logits_soft_cap: float | None = None,
+                           sm_scale: float | None = None, rope_scale: float | None = None,
+                           rope_theta: float | None = None):
+        """Deprecated (FlashInfer's): run_return_lse() with these knobs replacing plan()'s."""
+        self._apply_call_knobs(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                               logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                               rope_theta=rope_theta)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+
+    def _apply_call_knobs(self, **given_raw) -> None:
+        """Make the plan carry forward()'s knobs: scalars in place, anything else by planning again
+        from the last plan's page table."""
+        inputs = self._plan_inputs
+        if inputs is None:
+            raise RuntimeError("forward() called before plan(): call plan() (or begin_forward()) first")
+        head_dim = inputs.head_dim
+        given = call_knobs.normalized(head_dim, **given_raw)
+        planned = call_knobs.normalized(head_dim, pos_encoding_mode=inputs.pos_encoding_mode,
+                                        window_left=inputs.window_left, logits_soft_cap=inputs.logits_soft_cap,
+                                        sm_scale=inputs.sm_scale, rope_scale=inputs.rope_scale,
+                                        rope_theta=inputs.rope_theta)
+        names = call_knobs.changed(given, planned)
+        if not names:
+            return
+        if call_knobs.needs_new_plan(names, given, planned):
+            host_indptr, reuse = self._plan_call
+            self._plan_from(dataclasses.replace(inputs, **given_raw), host_indptr, reuse)
+            return
+        plan = self._tensor_cores._plan if self._tensor_cores is not None else self._plan
+        plan.sm_scale, plan.soft_cap = given["sm_scale"], given["soft_cap"]
 
     def _raise_kernel_errors(self) -> None:
         torch.cuda.synchronize(self._device)
@@ -416,3 +533,13 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if return_lse:
         return result[0].squeeze(0), result[1].squeeze(0)
     return result.squeeze(0)
+
+
+def __getattr__(name: str):
+    # FlashInfer's decode module also holds the CUDA-graph wrapper and fast_decode_plan; they live in
+    # decode_graph (which imports this module), so they are reached lazily.
+    if name in ("CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan"):
+        from . import decode_graph
+
+        return getattr(decode_graph, name)
+    raise AttributeError(f"module 'attnforge.decode' has no attribute {name!r}")

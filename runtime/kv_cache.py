@@ -16,10 +16,8 @@ def check_layout(kv_layout: str) -> str:
     return kv_layout
 
 
-def split_paged(paged_kv_cache, kv_layout: str, page_size: int, num_kv_heads: int, head_dim_qk: int,
-                head_dim_vo: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k_cache, v_cache) of a tuple or single-tensor paged cache, each checked to be a 4-D page
-    array of the planned shape, dtype and device, both with the same number of pages."""
+def split_pages(paged_kv_cache, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of a (k, v) tuple or a single [num_pages, 2, ...] tensor, each a 4-D page array."""
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError(f"paged_kv_cache: expected a (k_cache, v_cache) pair, got {len(paged_kv_cache)} tensors")
@@ -32,14 +30,25 @@ def split_paged(paged_kv_cache, kv_layout: str, page_size: int, num_kv_heads: in
             raise ValueError(f"paged_kv_cache: a single tensor must be [num_pages, 2, ...] ({kv_layout} pages "
                              f"after the K/V axis), got shape {tuple(paged_kv_cache.shape)}")
         k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    layout = ("[num_pages, page_size, num_kv_heads, head_dim]" if kv_layout == "NHD"
+              else "[num_pages, num_kv_heads, page_size, head_dim]")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D {kv_layout} cache {layout}, got shape {tuple(cache.shape)}")
+    return k_cache, v_cache
+
+
+def split_paged(paged_kv_cache, kv_layout: str, page_size: int, num_kv_heads: int, head_dim_qk: int,
+                head_dim_vo: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of a tuple or single-tensor paged cache, each checked to be a 4-D page
+    array of the planned shape, dtype and device, both with the same number of pages."""
+    k_cache, v_cache = split_pages(paged_kv_cache, kv_layout)
     per_page = (page_size, num_kv_heads) if kv_layout == "NHD" else (num_kv_heads, page_size)
     layout = ("[num_pages, page_size, num_kv_heads, head_dim]" if kv_layout == "NHD"
               else "[num_pages, num_kv_heads, page_size, head_dim]")
     for name, cache, head_dim in (("k_cache", k_cache, head_dim_qk), ("v_cache", v_cache, head_dim_vo)):
         checks.dtype(cache, name, dtype, "kv_data_type given to plan()")
         checks.device(cache, name, device)
-        if cache.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D {kv_layout} cache {layout}, got shape {tuple(cache.shape)}")
         checks.shape(cache, name, (cache.shape[0], *per_page, head_dim), f"{kv_layout}: {layout}")
         checks.vector_aligned(cache, name)
     if k_cache.shape[0] != v_cache.shape[0]:

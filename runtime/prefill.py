@@ -11,13 +11,16 @@ caller's current stream without waiting for the GPU.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
 
-from . import checks, dispatch, kv_cache
+from . import call_knobs, checks, dispatch, kv_cache
 from .loader import Module
 from .plan_buffers import PlanImage, cuda_index, current_stream, float_workspace, lse_output, output, score_scales
 from .prefill_plan_steps import (
@@ -86,6 +89,7 @@ class _BatchPrefillWrapper:
         self._graph_indices: torch.Tensor | None = None  # paged under CUDA graphs: where page ids are staged
         self._image = PlanImage(self._device, fixed_address=self._graph)
         self._plan: _Plan | None = None
+        self._planned: tuple[PlanRequest, KernelOptions] | None = None  # what forward() plans again from
         self._debug = settings().debug
         # Set by the tensor-core decode wrapper, whose plans have one query token per request: a
         # CUDA-graph replay keeps the kernel it captured, so only such a wrapper may promise it.
@@ -99,6 +103,7 @@ class _BatchPrefillWrapper:
     def _plan_batch(self, request: PlanRequest, options: KernelOptions) -> None:
         """Resolve the module, stage the page ids, schedule through the module's C++ planner, stage the
         mask and the workspace, upload the image: the steps of prefill_plan_steps, in order."""
+        self._planned = (request, options)
         device_index = cuda_index(self._device)
         module = resolve_module(self._backend, request, options, device_index)
         indices, host_max_page = None, None
@@ -197,6 +202,31 @@ class _BatchPrefillWrapper:
             raise RuntimeError("run() called before plan(): call plan() with the batch's indptr arrays first")
         return self._plan
 
+    def _apply_call_knobs(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
+                          sm_scale, rope_scale, rope_theta) -> None:
+        """FlashInfer's deprecated forward(): its knobs replace plan()'s, scalars in place, anything
+        else by planning the same batch again (see call_knobs)."""
+        if self._planned is None:
+            raise RuntimeError("forward() called before plan(): call plan() (or begin_forward()) first")
+        if use_fp16_qk_reduction:
+            raise ValueError("use_fp16_qk_reduction: the prefill kernels accumulate q.k in fp32; pass False")
+        request, options = self._planned
+        given = call_knobs.normalized(request.head_dim_qk, pos_encoding_mode=pos_encoding_mode,
+                                      window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                                      rope_scale=rope_scale, rope_theta=rope_theta,
+                                      causal=causal and not options.use_custom_mask)
+        planned = {"pos_encoding": options.pos_encoding, "window_left": options.window_left,
+                   "soft_cap": options.soft_cap, "sm_scale": options.sm_scale, "rope_scale": options.rope_scale,
+                   "rope_theta": options.rope_theta, "causal": options.causal}
+        names = call_knobs.changed(given, planned)
+        if not names:
+            return
+        if call_knobs.needs_new_plan(names, given, planned):
+            self._plan_batch(request, dataclasses.replace(options, **given))
+            return
+        self._plan.sm_scale, self._plan.soft_cap = given["sm_scale"], given["soft_cap"]
+        options.sm_scale, options.soft_cap = given["sm_scale"], given["soft_cap"]
+
     def end_forward(self) -> None:
         """FlashInfer compatibility: nothing to release."""
 
@@ -227,11 +257,19 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
              causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
              sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
              rope_scale: float | None = None, rope_theta: float | None = None, q_data_type="float16",
-             kv_data_type=None, o_data_type=None, non_blocking: bool = True, fixed_split_size: int | None = None,
-             disable_split_kv: bool = False, **unsupported) -> None:
+             kv_data_type=None, o_data_type=None, non_blocking: bool = True, prefix_len_ptr=None,
+             token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0, max_item_len_ptr=None, seq_lens=None,
+             seq_lens_q=None, block_tables=None, max_token_per_sequence=None, max_sequence_kv=None,
+             fixed_split_size: int | None = None, disable_split_kv: bool = False, uniform_q_len: int | None = None,
+             use_token_head_sf: bool = False) -> None:
         """Schedule a batch: qo_indptr [batch+1] (query tokens), paged_kv_indptr [batch+1] (pages) and
-        paged_kv_last_page_len [batch] are int32 host tensors; paged_kv_indices holds the page ids."""
-        _refuse(unsupported)
+        paged_kv_last_page_len [batch] are int32 host tensors; paged_kv_indices holds the page ids.
+        Positional order and meanings are FlashInfer 0.7.4's; with a custom mask, causal is ignored
+        (the mask decides), as FlashInfer documents."""
+        _refuse(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+                token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr, seq_lens=seq_lens,
+                seq_lens_q=seq_lens_q, block_tables=block_tables, max_token_per_sequence=max_token_per_sequence,
+                max_sequence_kv=max_sequence_kv, use_token_head_sf=use_token_head_sf)
         request = check_request(
             paged=True, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr, indices=paged_kv_indices,
             last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -242,10 +280,18 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-            enable_pdl: bool | None = None, window_left: int | None = None, sinks=None):
+            lse_base: str = "log2", lse_layout: str = "NH", enable_pdl: bool | None = None,
+            window_left: int | None = None, sinks=None, kv_cache_sf=None,
+            skip_softmax_threshold_scale_factor: float | None = None, use_fp16_softmax: bool | None = None,
+            uses_spcompress: bool | None = None):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over the planned pages. Returns o,
         or (o, lse) with lse [qo_indptr[-1], num_qo_heads] fp32 base 2."""
         plan = self._require_plan()
+        if (lse_base, lse_layout) != ("log2", "NH") or kv_cache_sf is not None or use_fp16_softmax or \
+                skip_softmax_threshold_scale_factor is not None or uses_spcompress:
+            _refuse_run(lse_base=lse_base, lse_layout=lse_layout, kv_cache_sf=kv_cache_sf,
+                        skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                        use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
         checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
         k_cache, v_cache = kv_cache.split_paged(paged_kv_cache, self._kv_layout, plan.page_size, plan.num_kv_heads,
                                                 plan.head_dim_qk, plan.head_dim_vo, plan.dtype_kv, self._device)
@@ -262,10 +308,27 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         return self._launch(q, k_cache, v_cache, strides, strides, num_pages, args, q_scale, k_scale, v_scale, out,
                             lse, return_lse)
 
-    forward = run
-
     def run_return_lse(self, q: torch.Tensor, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    def forward(self, q: torch.Tensor, paged_kv_cache, causal: bool = False, pos_encoding_mode: str = "NONE",
+                use_fp16_qk_reduction: bool = False, k_scale=None, v_scale=None, window_left: int = -1,
+                logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
+                rope_theta: float | None = None):
+        """Deprecated (FlashInfer's): run() with these knobs replacing plan()'s (see call_knobs)."""
+        self._apply_call_knobs(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
+                               sm_scale, rope_scale, rope_theta)
+        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale)
+
+    def forward_return_lse(self, q: torch.Tensor, paged_kv_cache, causal: bool = False,
+                           pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, k_scale=None,
+                           v_scale=None, window_left: int = -1, logits_soft_cap: float | None = None,
+                           sm_scale: float | None = None, rope_scale: float | None = None,
+                           rope_theta: float | None = None):
+        """Deprecated (FlashInfer's): run_return_lse() with these knobs replacing plan()'s."""
+        self._apply_call_knobs(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
+                               sm_scale, rope_scale, rope_theta)
+        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
@@ -284,12 +347,21 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
              causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
              window_left: int = -1, logits_soft_cap: float | None = None, sm_scale: float | None = None,
              rope_scale: float | None = None, rope_theta: float | None = None, q_data_type="float16",
-             kv_data_type=None, o_data_type=None, non_blocking: bool = True, fixed_split_size: int | None = None,
-             disable_split_kv: bool = False, **unsupported) -> None:
-        """Schedule a batch: qo_indptr and kv_indptr [batch+1] are int32 host token indptrs."""
-        _refuse(unsupported)
+             kv_data_type=None, o_data_type=None, non_blocking: bool = True, prefix_len_ptr=None,
+             token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0, max_item_len_ptr=None,
+             fixed_split_size: int | None = None, disable_split_kv: bool = False, seq_lens=None, seq_lens_q=None,
+             max_token_per_sequence=None, max_sequence_kv=None, v_indptr=None, o_indptr=None, qo_indptr_cpu=None,
+             kv_indptr_cpu=None, uniform_q_len: int | None = None, use_token_head_sf: bool = False) -> None:
+        """Schedule a batch: qo_indptr and kv_indptr [batch+1] are int32 token indptrs (host tensors,
+        or their host mirrors qo_indptr_cpu/kv_indptr_cpu). o_indptr, as in FlashInfer's fa2/fa3
+        path, is taken and not used: the output rows follow qo_indptr."""
+        _refuse(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+                token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr, seq_lens=seq_lens,
+                seq_lens_q=seq_lens_q, max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
+                v_indptr=v_indptr, use_token_head_sf=use_token_head_sf)
         request = check_request(
-            paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, indices=None, last_page_len=None,
+            paged=False, qo_indptr=qo_indptr if qo_indptr_cpu is None else qo_indptr_cpu,
+            kv_indptr=kv_indptr if kv_indptr_cpu is None else kv_indptr_cpu, indices=None, last_page_len=None,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
             page_size=1)
         self._plan_batch(request, check_options(head_dim_qk=request.head_dim_qk, **_option_args(locals())))
@@ -297,11 +369,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
     begin_forward = plan
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None, k_scale=None,
-            v_scale=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-            enable_pdl: bool | None = None, window_left: int | None = None, sinks=None):
+            v_scale=None, o_scale=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            return_lse: bool = False, lse_base: str = "log2", lse_layout: str = "NH", enable_pdl: bool | None = None,
+            kv_cache_sf=None, window_left: int | None = None, sinks=None):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over k [kv_indptr[-1], num_kv_heads,
         head_dim_qk] and v [..., head_dim_vo] (NHD; HND puts heads first)."""
         plan = self._require_plan()
+        if (lse_base, lse_layout) != ("log2", "NH") or kv_cache_sf is not None or o_scale not in (None, 1.0):
+            _refuse_run(lse_base=lse_base, lse_layout=lse_layout, kv_cache_sf=kv_cache_sf, o_scale=o_scale)
         checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
         kv_cache.check_ragged(k, v, self._kv_layout, plan.total_kv, plan.num_kv_heads, plan.head_dim_qk,
                               plan.head_dim_vo, plan.dtype_kv, self._device)
@@ -311,10 +386,27 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         return self._launch(q, k, v, (0, k_token, k_head), (0, v_token, v_head), plan.total_kv, args, q_scale, k_scale,
                             v_scale, out, lse, return_lse)
 
-    forward = run
-
     def run_return_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs):
         return self.run(q, k, v, *args, return_lse=True, **kwargs)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
+                logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
+                rope_theta: float | None = None):
+        """Deprecated (FlashInfer's): run() with these knobs replacing plan()'s (see call_knobs)."""
+        self._apply_call_knobs(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
+                               sm_scale, rope_scale, rope_theta)
+        return self.run(q, k, v)
+
+    def forward_return_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                           pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+                           window_left: int = -1, logits_soft_cap: float | None = None,
+                           sm_scale: float | None = None, rope_scale: float | None = None,
+                           rope_theta: float | None = None):
+        """Deprecated (FlashInfer's): run_return_lse() with these knobs replacing plan()'s."""
+        self._apply_call_knobs(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
+                               sm_scale, rope_scale, rope_theta)
+        return self.run(q, k, v, return_lse=True)
 
 
 _single_workspaces: dict[torch.device, torch.Tensor] = {}
@@ -327,14 +419,23 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
                                  window_left: int = -1, logits_soft_cap: float | None = None,
                                  rope_scale: float | None = None, rope_theta: float | None = None,
-                                 backend: str = "auto", return_lse: bool = False):
+                                 backend: str = "auto", return_lse: bool = False, kv_cache_sf=None,
+                                 k_scale: float | None = None, v_scale: float | None = None):
     """Prefill attention of one request: q [qo_len, num_qo_heads, head_dim_qk] over k/v
-    [kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)."""
+    [kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND).
+    scale_q/scale_k/scale_v are the fp8 query path's scales (run()'s q_scale/k_scale/v_scale);
+    k_scale and v_scale are FlashInfer's float calibration scales of a quantized KV: k_scale
+    multiplies sm_scale, v_scale the output."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(x, name)
         if x.dim() != 3:
             raise ValueError(f"{name}: expected a 3-D tensor, got shape {tuple(x.shape)}")
     kv_cache.check_layout(kv_layout)
+    if kv_cache_sf is not None:
+        raise ValueError("kv_cache_sf: per-(token, head) KV scale factors are not supported; leave it None")
+    k_scale, v_scale = checks.scale(k_scale, "k_scale"), checks.scale(v_scale, "v_scale")
+    if k_scale is not None:
+        sm_scale = checks.positive_float(sm_scale, "sm_scale", 1.0 / math.sqrt(q.shape[2])) * k_scale
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
     workspace = _single_workspaces.get(q.device)
     if workspace is None:
@@ -347,23 +448,33 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                  use_fp16_qk_reduction=use_fp16_qk_reduction, window_left=window_left,
                  logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
                  q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)
-    return wrapper.run(q, k, v, q_scale=scale_q, k_scale=scale_k, v_scale=scale_v, return_lse=return_lse)
+    result = wrapper.run(q, k, v, q_scale=scale_q, k_scale=scale_k, v_scale=scale_v, return_lse=return_lse)
+    if v_scale is not None and v_scale != 1.0:
+        (result[0] if return_lse else result).mul_(v_scale)
+    return result
 
 
-# FlashInfer plan() arguments for features these kernels do not have (multi-item scoring, the
-# trtllm-gen and cuDNN backends): accepted at their defaults, refused otherwise.
-_FLASHINFER_ONLY = frozenset({"prefix_len_ptr", "token_pos_in_items_ptr", "token_pos_in_items_len", "max_item_len_ptr",
-                              "seq_lens", "seq_lens_q", "block_tables", "max_token_per_sequence", "max_sequence_kv",
-                              "v_indptr"})
+single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
+single_prefill_with_kv_cache_return_lse.__doc__ = """single_prefill_with_kv_cache with return_lse=True: (o, lse)."""
 
 
-def _refuse(unsupported: dict) -> None:
-    unknown = sorted(set(unsupported) - _FLASHINFER_ONLY)
-    if unknown:
-        raise TypeError(f"plan() got unexpected keyword argument(s): {', '.join(unknown)}")
-    # their defaults are None or 0 (token_pos_in_items_len); anything else asks for the feature
-    given = [name for name, value in unsupported.items()
+def _refuse(**flashinfer_only) -> None:
+    """FlashInfer plan() arguments for features these kernels do not have (multi-item scoring,
+    per-(token, head) KV scales, the trtllm-gen and cuDNN backends): accepted at their defaults
+    (None, 0 or False), refused by name otherwise."""
+    given = [name for name, value in flashinfer_only.items()
              if value is not None and not (isinstance(value, (int, float)) and value == 0)]
     if given:
         raise ValueError(f"plan(): {', '.join(sorted(given))} not supported by attnforge's prefill kernels "
-                         "(multi-item scoring, trtllm-gen and cuDNN arguments); leave them unset")
+                         "(multi-item scoring, per-(token, head) KV scales, trtllm-gen and cuDNN arguments); "
+                         "leave them unset")
+
+
+def _refuse_run(**flashinfer_only) -> None:
+    """FlashInfer run() arguments for what these kernels do not do (natural-log or head-major LSE,
+    per-(token, head) KV scales, fp16 softmax, skip-softmax, output scales): named when given."""
+    neutral = {"lse_base": "log2", "lse_layout": "NH", "o_scale": 1.0}
+    given = sorted(f"{name}={value!r}" for name, value in flashinfer_only.items()
+                   if value not in (None, False, neutral.get(name)))
+    raise ValueError(f"run(): {', '.join(given)} not supported by attnforge's prefill kernels (LSE is base 2, "
+                     "[tokens, heads]); leave them at their defaults")

@@ -107,7 +107,8 @@ def check_request(*, paged: bool, qo_indptr, kv_indptr, indices, last_page_len, 
 def check_options(*, head_dim_qk: int, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
                   use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type,
                   kv_data_type, o_data_type, fixed_split_size, disable_split_kv) -> KernelOptions:
-    """Validate the kernel options; sm_scale defaults to 1 / sqrt(head_dim_qk)."""
+    """Validate the kernel options; sm_scale defaults to 1 / sqrt(head_dim_qk); a custom mask makes
+    causal irrelevant (options.causal is then False)."""
     window_left = checks.window_left(window_left)
     soft_cap = checks.soft_cap(logits_soft_cap)
     sm_scale = checks.positive_float(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim_qk))
@@ -117,9 +118,8 @@ def check_options(*, head_dim_qk: int, custom_mask, packed_custom_mask, causal, 
     if custom_mask is not None and packed_custom_mask is not None:
         raise ValueError("custom_mask, packed_custom_mask: pass one of them, not both")
     use_custom_mask = custom_mask is not None or packed_custom_mask is not None
-    if use_custom_mask and causal:
-        raise ValueError("causal=True with a custom mask: the custom mask replaces the causal mask; pass "
-                         "causal=False (and put the causal pattern into the mask if you want it)")
+    # FlashInfer: causal applies only without a custom mask; with one, the mask alone decides.
+    causal = bool(causal) and not use_custom_mask
     if use_fp16_qk_reduction:
         raise ValueError("use_fp16_qk_reduction: the prefill kernels accumulate q.k in fp32; pass False")
     dtype_q, dtype_kv, dtype_o = dispatch.planned_dtypes(q_data_type, kv_data_type, o_data_type)

@@ -3,6 +3,8 @@ and what was given, and refused specs name the rule and its suggestion."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -291,8 +293,13 @@ def test_positional_scales_only_with_an_fp8_query():
     scales = (torch.ones(1), torch.ones(1), torch.ones(1))
     assert checks.positional_scales(scales, True, None, None, None) == scales
     assert checks.positional_scales((), False, 0.5, None, 2.0) == (0.5, None, 2.0)
-    _raises(TypeError, checks.positional_scales, scales, False, None, None, None,
-            contains=("positional scales", "fp8 query", "keywords"))
+    # A 16-bit query: FlashInfer ignores extra positional arguments; so do we, warning once per process.
+    checks._warned_extra_args = False
+    with pytest.warns(UserWarning, match="extra positional argument"):
+        assert checks.positional_scales(scales, False, 0.5, None, None) == (0.5, None, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert checks.positional_scales(scales, False, None, None, None) == (None, None, None)
     _raises(TypeError, checks.positional_scales, scales[:2], True, None, None, None,
             contains=("(q_scale, k_scale, v_scale)", "got 2"))
     _raises(TypeError, checks.positional_scales, scales, True, None, 1.0, None,

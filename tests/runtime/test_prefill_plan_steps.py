@@ -74,10 +74,19 @@ def test_options_defaults():
     assert options(packed_custom_mask=torch.zeros(1, dtype=torch.uint8)).use_custom_mask
 
 
+def test_a_custom_mask_wins_over_causal():
+    """FlashInfer: causal applies only without a custom mask, so causal=True with one is accepted
+    and the plan (its kv ranges, the kernel's mask mode) is the mask's alone."""
+    assert options(causal=True).causal is True
+    for mask in (dict(custom_mask=torch.ones(4, dtype=torch.bool)), dict(packed_custom_mask=torch.ones(1, dtype=torch.uint8))):
+        with_causal, without = options(causal=True, **mask), options(causal=False, **mask)
+        assert with_causal.use_custom_mask and with_causal.causal is False
+        assert with_causal.causal == without.causal
+
+
 @pytest.mark.parametrize("overrides, text", [
     (dict(custom_mask=torch.ones(1, dtype=torch.bool), packed_custom_mask=torch.ones(1, dtype=torch.uint8)),
      "custom_mask, packed_custom_mask: pass one of them, not both"),
-    (dict(custom_mask=torch.ones(1, dtype=torch.bool), causal=True), "causal=True with a custom mask"),
     (dict(use_fp16_qk_reduction=True), "use_fp16_qk_reduction: the prefill kernels accumulate q.k in fp32"),
     (dict(window_left=-2), "window_left: expected -1"),
     (dict(sm_scale=0.0), "sm_scale: expected a positive float or None, got 0.0"),

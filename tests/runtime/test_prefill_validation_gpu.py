@@ -157,10 +157,16 @@ def test_plan_fp16_qk_reduction_is_refused(base):
         plan_ragged(base, use_fp16_qk_reduction=True)
 
 
-def test_plan_causal_with_custom_mask(base):
+def test_plan_causal_with_custom_mask_the_mask_wins(base):
+    """FlashInfer: causal applies only without a mask. An all-true mask with causal=True attends to
+    every key, so it equals the non-causal run, and differs from the causal one."""
     bits = sum(a * b for a, b in zip(QO_LENS, KV_LENS))
-    with raises(ValueError, "causal", "custom mask"):
-        plan_ragged(base, causal=True, custom_mask=torch.ones(bits, dtype=torch.bool))
+    mask = torch.ones(bits, dtype=torch.bool)
+    masked = plan_ragged(base, causal=True, custom_mask=mask).run(base.q, base.k, base.v)
+    full = plan_ragged(base, causal=False).run(base.q, base.k, base.v)
+    causal = plan_ragged(base, causal=True).run(base.q, base.k, base.v)
+    torch.testing.assert_close(masked, full, atol=1e-2, rtol=1e-2)
+    assert (masked - causal).abs().max() > 1e-2
 
 
 def test_plan_workspace_too_small_says_how_large(base):

@@ -1,0 +1,128 @@
+"""What the batch-decode wrapper's plan() was given, in FlashInfer's terms, and its checked form.
+
+    resolve_data_type  FlashInfer's deprecated data_type: fills only the dtypes left None
+    refuse_extras      plan() arguments FlashInfer has for features attnforge does not (yet) have
+    DecodePlanInputs   plan()'s arguments as given: what fast_decode_plan and forward() plan again from
+    DecodeKnobs        the checked, page-table-independent part: the module and scalars, reusable
+                       by a re-plan whose only change is the page table (lengths)
+
+Nothing here touches the GPU: these are the CPU-testable front of plan().
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnforge.codegen.dtypes import DType
+from attnforge.codegen.spec import PosEncoding
+
+from . import checks, dispatch
+
+
+def resolve_data_type(q_data_type, kv_data_type, data_type):
+    """(q, kv) dtypes after FlashInfer's rule: data_type (deprecated) fills only those left None,
+    and a query dtype still None is float16."""
+    if data_type is not None:
+        q_data_type = data_type if q_data_type is None else q_data_type
+        kv_data_type = data_type if kv_data_type is None else kv_data_type
+    return ("float16" if q_data_type is None else q_data_type), kv_data_type
+
+
+def refuse_extras(*, block_tables, seq_lens, q_len_per_req, window_right, is_causal, use_token_head_sf) -> None:
+    """FlashInfer plan() arguments accepted at their neutral values and refused otherwise, naming them."""
+    if block_tables is not None or seq_lens is not None:
+        raise ValueError("block_tables/seq_lens: pass the page table as indptr, indices and last_page_len")
+    if isinstance(q_len_per_req, bool) or not isinstance(q_len_per_req, int) or q_len_per_req < 1:
+        raise ValueError(f"q_len_per_req: expected a positive int, got {q_len_per_req!r}")
+    if q_len_per_req > 1:
+        raise ValueError(f"q_len_per_req={q_len_per_req}: multi-token decode (several query tokens per request) is "
+                         "not yet supported; plan with q_len_per_req=1, or use BatchPrefillWithPagedKVCacheWrapper "
+                         "with a qo_indptr of q_len_per_req tokens per request and causal=True")
+    if window_right != 0:
+        raise ValueError(f"window_right: only 0 (no key after the query token) is supported, got {window_right!r}")
+    if is_causal not in (None, False):
+        raise ValueError(f"is_causal={is_causal!r}: with one query token per request there is nothing to mask; "
+                         "leave it None")
+    if use_token_head_sf:
+        raise ValueError("use_token_head_sf: per-(token, head) fp8 KV scales are not supported; pass per-tensor "
+                         "k_scale/v_scale to run()")
+
+
+def refuse_run_extras(q_len_per_req, skip_softmax_threshold_scale_factor, kv_cache_sf) -> None:
+    """FlashInfer run() arguments for features attnforge does not have, named when given."""
+    if q_len_per_req not in (None, 1):
+        raise ValueError(f"q_len_per_req={q_len_per_req!r}: multi-token decode is not yet supported; q holds one "
+                         "token per request")
+    if skip_softmax_threshold_scale_factor is not None:
+        raise ValueError("skip_softmax_threshold_scale_factor: skip-softmax decode is not supported; leave it None")
+    if kv_cache_sf is not None:
+        raise ValueError("kv_cache_sf: per-(token, head) KV scale factors are not supported; leave it None")
+
+
+@dataclass(slots=True)
+class DecodePlanInputs:
+    """plan()'s arguments as given, the dtypes after resolve_data_type."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pos_encoding_mode: str
+    window_left: int
+    logits_soft_cap: float | None
+    q_data_type: object
+    kv_data_type: object
+    o_data_type: object
+    sm_scale: float | None
+    rope_scale: float | None
+    rope_theta: float | None
+    fixed_split_size: int | None
+    disable_split_kv: bool
+
+    def knobs_key(self) -> tuple:
+        """Everything but the page table: equal keys plan the same module and scalars."""
+        return (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.pos_encoding_mode,
+                self.window_left, self.logits_soft_cap, self.q_data_type, self.kv_data_type, self.o_data_type,
+                self.sm_scale, self.rope_scale, self.rope_theta, self.fixed_split_size, self.disable_split_kv)
+
+
+@dataclass(slots=True)
+class DecodeKnobs:
+    """DecodePlanInputs' page-table-independent part, checked."""
+
+    key: tuple  # the DecodePlanInputs.knobs_key() it was checked from
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pos_encoding: PosEncoding
+    window_left: int
+    soft_cap: float
+    sm_scale: float
+    dtype_q: DType
+    dtype_kv: DType
+    dtype_o: DType
+    fixed_split_size: int | None
+    disable_split_kv: bool
+
+
+def check_knobs(inputs: DecodePlanInputs) -> DecodeKnobs:
+    num_qo_heads, num_kv_heads = checks.heads(inputs.num_qo_heads, inputs.num_kv_heads)
+    head_dim = checks.positive_int(inputs.head_dim, "head_dim")
+    page_size = checks.positive_int(inputs.page_size, "page_size")
+    checks.split_size(inputs.fixed_split_size)
+    dtype_q, dtype_kv, dtype_o = dispatch.planned_dtypes(inputs.q_data_type, inputs.kv_data_type, inputs.o_data_type)
+    return DecodeKnobs(
+        key=inputs.knobs_key(), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=page_size, pos_encoding=dispatch.parse_pos_encoding(inputs.pos_encoding_mode),
+        window_left=checks.window_left(inputs.window_left),
+        soft_cap=checks.soft_cap(inputs.logits_soft_cap),
+        sm_scale=checks.positive_float(inputs.sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim)),
+        dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_o, fixed_split_size=inputs.fixed_split_size,
+        disable_split_kv=bool(inputs.disable_split_kv))
