@@ -239,8 +239,9 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 BUILD_TIMES = """\
-how long: measured on an H200 host with 16 cores, one module compiles in about 5 s (fa2 decode),
-5 s (fa2 prefill) or 51 s (fa3 prefill); the default manifest for --arch 90a takes about 144 s.
+how long: measured on an H200 host with 16 cores, a module compiles cold in about 3 s (fa2 decode),
+5 s (fa2 prefill), 15 s (fa3 prefill bf16) or 19 s (fa3 prefill e4m3); the default manifest for
+--arch 90a (54 modules) takes about 144 s (docs/benchmarks.md, Build times).
 Modules already in the cache are skipped ("cached" in the table)."""
 
 
@@ -271,15 +272,20 @@ def _build_selection(args: argparse.Namespace) -> list[KernelSpec]:
     return kept
 
 
+def _cache_settings(args: argparse.Namespace):
+    """The settings, with --cache-dir in place of the cache they name."""
+    from attnforge.settings import settings
+
+    config = settings()
+    return config if args.cache_dir is None else dataclasses.replace(config, cache_dir=args.cache_dir)
+
+
 def _build_modules(args: argparse.Namespace) -> tuple[list, object]:
     """Build the selection (progress bar on a terminal); returns the outcomes and the settings used."""
     from attnforge import build_pool
-    from attnforge.settings import settings
 
     specs = _build_selection(args)
-    config = settings()
-    if args.cache_dir is not None:
-        config = dataclasses.replace(config, cache_dir=args.cache_dir)
+    config = _cache_settings(args)
     parallel = args.jobs or build_pool.default_parallel()
     started = time.perf_counter()
     with _progress(len(specs)) as advance:
@@ -321,8 +327,11 @@ def _package_label(args: argparse.Namespace) -> str:
     """--name, else the manifest's file name; checked before anything is built."""
     from attnforge.package import PackageError, package_name
 
-    if args.name is None and (args.manifest is None and _given_spec_fields(args).keys() - {"archs"}):
-        raise _InputError("--name is required with spec options (it names the package)")
+    selects = args.manifest is not None or _given_spec_fields(args)
+    if args.from_cache and selects:
+        raise _InputError("--from-cache packages what the cache holds: give no --manifest, --arch or spec options")
+    if args.name is None and (args.from_cache or args.manifest is None and _given_spec_fields(args).keys() - {"archs"}):
+        raise _InputError("--name is required with spec options or --from-cache (it names the package)")
     name = args.name or (args.manifest.stem if args.manifest is not None else "default")
     try:
         package_name(name)
@@ -332,17 +341,24 @@ def _package_label(args: argparse.Namespace) -> str:
 
 
 def cmd_package(args: argparse.Namespace) -> int:
-    from attnforge.package import PackageError, write_wheel
+    from attnforge.package import PackageError, cached_specs, write_wheel
 
     name = _package_label(args)
-    outcomes, config = _build_modules(args)
-    if any(o.status == "failed" for o in outcomes):
-        return EXIT_FAILED
     try:
-        wheel = write_wheel([o.spec for o in outcomes], name, args.out, config)
+        if args.from_cache:
+            config = _cache_settings(args)
+            specs = cached_specs(config)
+            if not specs:
+                raise _InputError(f"--from-cache: no built module of this attnforge version in {config.cache_dir}")
+        else:
+            outcomes, config = _build_modules(args)
+            if any(o.status == "failed" for o in outcomes):
+                return EXIT_FAILED
+            specs = [o.spec for o in outcomes]
+        wheel = write_wheel(specs, name, args.out, config)
     except (PackageError, OSError) as exc:
         raise _InputError(str(exc)) from None
-    print(f"wrote {wheel} ({len(outcomes)} module(s)); install it with: pip install {wheel}")
+    print(f"wrote {wheel} ({len(specs)} module(s)); install it with: pip install {wheel}")
     return EXIT_OK
 
 
@@ -447,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_build_options(p)
     p.add_argument("--out", type=Path, default=Path("dist"), metavar="DIR",
                    help="folder for the wheel (default: ./dist)")
+    p.add_argument("--from-cache", action="store_true",
+                   help="package every module already built in the cache (e.g. all a test run compiled) "
+                        "instead of building a manifest; needs --name")
     p.add_argument("--name", metavar="NAME",
                    help="package name part: letters, digits, '-', '_' (default: the manifest's file name, "
                         "'default' for the packaged manifest)")

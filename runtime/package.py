@@ -22,6 +22,7 @@ from pathlib import Path
 from attnforge.codegen.sources import source_hash
 from attnforge.codegen.spec import KernelSpec
 
+from . import integrity
 from .build import library_path, version
 from .prebuilt import ENTRY_POINT_GROUP, FORMAT, INDEX_NAME
 from .settings import Settings
@@ -69,6 +70,20 @@ def module_record(spec: KernelSpec, data: bytes, nvcc: str | None) -> dict:
         "size": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
     }
+
+
+def cached_specs(config: Settings) -> list[KernelSpec]:
+    """The specs of every module this attnforge version has built in config.cache_dir whose library
+    verifies (what `attnforge package --from-cache` ships: e.g. every module a test run compiled)."""
+    specs = []
+    for meta in sorted((config.cache_dir / version()).glob("*/src/metadata.json")):
+        try:
+            spec = KernelSpec.from_dict(json.loads(meta.read_text())["spec"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PackageError(f"{meta}: not a module's metadata ({exc}); delete its folder") from None
+        if spec.uri == meta.parent.parent.name and integrity.problem(library_path(spec, config)) is None:
+            specs.append(spec)
+    return specs
 
 
 def write_wheel(specs: Sequence[KernelSpec], name: str, out_dir: Path, config: Settings) -> Path:

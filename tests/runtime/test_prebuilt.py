@@ -187,3 +187,30 @@ def test_prebuilt_path_without_index_warns_naming_the_variable(tiny_build, tmp_p
     monkeypatch.setenv("ATTNFORGE_PREBUILT_PATH", str(tmp_path))
     assert prebuilt.find(tiny_build.spec) is None
     assert warnings == [f"prebuilt package {tmp_path} has no prebuilt.json (check ATTNFORGE_PREBUILT_PATH); ignored"]
+
+
+def test_from_cache_packages_every_verified_module_and_nothing_else(tiny_build, tmp_path, capsys):
+    """--from-cache ships what a cache holds (e.g. every module a test run compiled): the verified
+    module goes in; a copy whose library was altered and a folder of a stale uri stay out."""
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_build.cache, cache)
+    root = cache / version()
+    stale = root / (tiny_build.spec.uri[:-10] + "0" * 10)  # a module folder from other sources
+    shutil.copytree(root / tiny_build.spec.uri, stale)
+    assert main(["package", "--from-cache", "--cache-dir", str(cache), "--name", "ci", "--out", str(tmp_path)]) == 0
+    (wheel,) = tmp_path.glob("attnforge_modules_ci-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        index = json.loads(archive.read("attnforge_modules_ci/prebuilt.json"))
+    assert list(index["modules"]) == [tiny_build.spec.uri]
+
+    library = root / tiny_build.spec.uri / f"{tiny_build.spec.uri}.so"
+    data = library.read_bytes()
+    library.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # altered after its record
+    assert main(["package", "--from-cache", "--cache-dir", str(cache), "--name", "ci2", "--out", str(tmp_path)]) == 2
+    assert "no built module" in capsys.readouterr().err
+
+
+def test_from_cache_refuses_a_selection(tiny_build, tmp_path, capsys):
+    assert main(["package", "--from-cache", "--arch", "90a", "--cache-dir", str(tiny_build.cache), "--name", "x",
+                 "--out", str(tmp_path)]) == 2
+    assert "--from-cache packages what the cache holds" in capsys.readouterr().err
