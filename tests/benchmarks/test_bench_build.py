@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -220,24 +219,12 @@ def test_a_failed_build_of_ours_exits_1_with_its_tail(tmp_path, monkeypatch, cap
     assert "nvcc fatal: x" in capsys.readouterr().out
 
 
-TINY_MANIFEST = textwrap.dedent("""\
-    [[group]]
-    kind = "decode"
-    backend = "fa2"
-    dtype_q = "bf16"
-    dtype_kv = "same_as_q"
-    dtype_o = "default"
-    head_dim = 128
-    archs = "80"
-    """)
-
-
 @pytest.mark.nvcc
-def test_a_real_run_times_cold_builds_and_the_manifest(tmp_path, monkeypatch):
-    """bench build on sm80 with the smallest module, cold, then `attnforge build` of a one-module manifest."""
+def test_a_real_run_times_cold_builds_and_the_manifest(tiny_build, tmp_path, monkeypatch):
+    """bench build on sm80 with the smallest module, cold, then `attnforge build` of the run's one-module
+    manifest (tiny_build's) into an empty cache."""
     monkeypatch.setenv("MAX_JOBS", os.environ.get("MAX_JOBS", "1"))
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY_MANIFEST)
+    path = tiny_build.manifest
     out = tmp_path / "bench-build.json"
     assert build.main(["--arch", "80", "--families", "decode-fa2", "--manifest", str(path), "-j", "1",
                        "--out", str(out)]) == 0

@@ -118,6 +118,11 @@ def test_paged_prefill_plan_positional_binding(monkeypatch):
         ("QO", "KVP", "IDX", "LAST")
     assert (request["num_qo_heads"], request["num_kv_heads"], request["head_dim_qk"], request["page_size"],
             request["head_dim_vo"]) == (8, 2, 128, 16, 96)
+    _assert_options_bound(options)
+
+
+def _assert_options_bound(options: dict) -> None:
+    """Each kernel option reached check_options under its own name."""
     for name, value in OPTION_VALUES.items():
         if name != "head_dim_vo":
             assert options[name] == value, name
@@ -136,10 +141,7 @@ def test_ragged_prefill_plan_positional_binding(monkeypatch):
                      "O_INDPTR", None, None, 4, False)
     request, options = captured["request"], captured["options"]
     assert (request["qo_indptr"], request["kv_indptr"], request["head_dim_vo"]) == ("QO", "KV", 96)
-    for name, value in OPTION_VALUES.items():
-        if name != "head_dim_vo":
-            assert options[name] == value, name
-    assert (options["fixed_split_size"], options["disable_split_kv"]) == ("SPLIT", "NOSPLIT")
+    _assert_options_bound(options)
 
 
 def test_ragged_plan_reads_the_host_mirrors(monkeypatch):
