@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ from attnforge.codegen.dtypes import DType
 from attnforge.codegen.fa3_units import fa3_cta_tile
 from attnforge.codegen.spec import Backend, PosEncoding
 
-from . import checks, dispatch, kv_cache
+from . import call_knobs, checks, dispatch, kv_cache
 from .loader import Module, load
 from .mask import segment_packbits
 from .plan_buffers import PlanImage, num_sms, split_tokens
@@ -109,11 +108,9 @@ def check_options(*, head_dim_qk: int, custom_mask, packed_custom_mask, causal, 
                   kv_data_type, o_data_type, fixed_split_size, disable_split_kv) -> KernelOptions:
     """Validate the kernel options; sm_scale defaults to 1 / sqrt(head_dim_qk); a custom mask makes
     causal irrelevant (options.causal is then False)."""
-    window_left = checks.window_left(window_left)
-    soft_cap = checks.soft_cap(logits_soft_cap)
-    sm_scale = checks.positive_float(sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim_qk))
-    rope_scale = checks.positive_float(rope_scale, "rope_scale", 1.0)
-    rope_theta = checks.positive_float(rope_theta, "rope_theta", 1e4)
+    knobs = call_knobs.normalized(head_dim_qk, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                                  logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                                  rope_theta=rope_theta)
     checks.split_size(fixed_split_size)
     if custom_mask is not None and packed_custom_mask is not None:
         raise ValueError("custom_mask, packed_custom_mask: pass one of them, not both")
@@ -123,9 +120,10 @@ def check_options(*, head_dim_qk: int, custom_mask, packed_custom_mask, causal, 
     if use_fp16_qk_reduction:
         raise ValueError("use_fp16_qk_reduction: the prefill kernels accumulate q.k in fp32; pass False")
     dtype_q, dtype_kv, dtype_o = dispatch.planned_dtypes(q_data_type, kv_data_type, o_data_type)
-    return KernelOptions(dtype_q, dtype_kv, dtype_o, dispatch.parse_pos_encoding(pos_encoding_mode), bool(causal),
-                         window_left, soft_cap, sm_scale, rope_scale, rope_theta, use_custom_mask, custom_mask,
-                         packed_custom_mask, fixed_split_size, bool(disable_split_kv))
+    return KernelOptions(dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_o, causal=causal, **knobs,
+                         use_custom_mask=use_custom_mask, custom_mask=custom_mask,
+                         packed_custom_mask=packed_custom_mask, fixed_split_size=fixed_split_size,
+                         disable_split_kv=bool(disable_split_kv))
 
 
 @functools.cache
