@@ -65,14 +65,12 @@ def command(manifest: Path | None, archs: list[str], parallel: int, cache: str) 
 
 def build(manifest: Path | None, archs: list[str], parallel: int, keep: Path | None = None) -> ManifestBuild:
     """Run `attnforge build` of `manifest` (None: the packaged default) for `archs` into an empty cache:
-    a temporary one, or `keep` (created; it must not hold anything yet), left in place for later use."""
+    a temporary one, or `keep` (new or empty), left in place for later use."""
     with contextlib.ExitStack() as stack:
         if keep is None:
             cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="attnforge-manifest-"))
         else:
-            keep.mkdir(parents=True, exist_ok=True)
-            if any(keep.iterdir()):
-                raise ValueError(f"--keep-cache: {keep} is not empty; a cold build needs an empty cache")
+            keep.mkdir(parents=True, exist_ok=True)  # new or empty: build.py's options check it
             cache = str(keep)
         started = time.perf_counter()
         done = subprocess.run(command(manifest, archs, parallel, cache), capture_output=True, text=True)

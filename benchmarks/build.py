@@ -172,6 +172,10 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.manifest is not None and not args.manifest.is_file():
         parser.error(f"--manifest: no such file: {args.manifest}")
+    if args.keep_cache is not None and (args.keep_cache.is_file() or
+                                        args.keep_cache.is_dir() and any(args.keep_cache.iterdir())):
+        parser.error(f"--keep-cache: {args.keep_cache} exists and is not an empty folder; a cold build needs an "
+                     "empty cache")
     rows, refused = cold_rows(args)
     if args.families is not None and refused:
         parser.error(f"--families {refused[0]}")  # named families must all build

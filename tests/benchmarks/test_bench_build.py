@@ -100,6 +100,8 @@ def test_every_family_spec_is_valid_and_the_e4m3_one_has_a_bf16_output():
     (["--head-dim", "x"], "argument --head-dim: expected a positive integer, got 'x'"),
     (["--manifest", "/nonexistent/m.toml"], "--manifest: no such file: /nonexistent/m.toml"),
     (["-j", "0"], "argument -j/--jobs: expected a positive integer, got '0'"),
+    (["--keep-cache", __file__], f"--keep-cache: {__file__} exists and is not an empty folder"),
+    (["--keep-cache", str(Path(__file__).parent)], "is not an empty folder; a cold build needs an empty cache"),
 ])
 def test_bad_options_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
