@@ -167,7 +167,7 @@ def parse_args(argv):
     parser.add_argument("--manifest", type=Path, metavar="FILE.toml",
                         help="the manifest to build (default: the packaged default manifest)")
     parser.add_argument("-j", "--jobs", type=_positive, metavar="N",
-                        help="the manifest's module builds at once (default: attnforge build's, one per 4 cores)")
+                        help="the manifest's module builds at once (default: attnforge build's, one per 2 cores)")
     _record.add_out_option(parser)
     args = parser.parse_args(argv)
     if args.manifest is not None and not args.manifest.is_file():

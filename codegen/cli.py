@@ -440,8 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     def add_build_options(p: argparse.ArgumentParser) -> None:
         _manifest_option(p)
         p.add_argument("-j", "--jobs", type=_positive("-j"), metavar="N",
-                       help="modules built at once (default: one per 4 cores); each build's ninja gets an even "
-                            "share of the cores (MAX_JOBS if set), at most one nvcc per 1.5 GB of memory")
+                       help="modules built at once (default: one per 2 cores); their ninjas share one jobserver "
+                            "of as many nvcc slots as cores (MAX_JOBS if set), at most one nvcc per 1.5 GB of "
+                            "memory")
         p.add_argument("--cache-dir", type=Path, metavar="DIR",
                        help="module cache to build into (default: $ATTNFORGE_CACHE_DIR or ~/.cache/attnforge)")
 

@@ -190,13 +190,30 @@ def ninja_file(spec: KernelSpec, src: Path, out_name: str, config: Settings) -> 
     return "\n".join(lines)
 
 
+@functools.cache
 def _ninja() -> str:
+    """The ninja of the `ninja` dependency (1.13+, a jobserver client), else the one on the PATH."""
+    try:
+        import ninja  # the PyPI package ships the binary
+    except ImportError:
+        ninja = None
+    if ninja is not None and (Path(ninja.BIN_DIR) / "ninja").is_file():
+        return str(Path(ninja.BIN_DIR) / "ninja")
     found = shutil.which("ninja")
-    if found:
-        return found
-    import ninja  # the PyPI package ships the binary
+    if found is None:
+        raise BuildError("ninja not found: pip install ninja")
+    return found
 
-    return str(Path(ninja.BIN_DIR) / "ninja")
+
+@functools.cache
+def ninja_joins_jobservers() -> bool:
+    """Whether ninja takes its job slots from a GNU make jobserver in MAKEFLAGS (ninja 1.13 and later)."""
+    try:
+        text = subprocess.run([_ninja(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    numbers = [int(part) for part in text.strip().split(".")[:2] if part.isdigit()]
+    return len(numbers) == 2 and tuple(numbers) >= (1, 13)
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -228,13 +245,18 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _run_ninja(build_dir: Path, config: Settings) -> None:
+def _run_ninja(build_dir: Path, config: Settings, jobserver: str | None = None) -> None:
+    """jobserver: MAKEFLAGS naming a jobserver shared with other builds; ninja then takes its job
+    slots from it (an explicit -j would make ninja ignore it)."""
     cmd = [_ninja(), "-C", str(build_dir)]
-    if config.max_jobs:
+    env = None
+    if jobserver is not None:
+        env = {**os.environ, "MAKEFLAGS": jobserver}
+    elif config.max_jobs:
         cmd += ["-j", str(config.max_jobs)]
     # Its own session: a terminal's Ctrl-C reaches Python, which stops the build (not half of it).
     proc = subprocess.Popen(cmd, stdout=None if config.verbose else subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+                            text=True, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()), env=env)
     try:
         output = proc.communicate()[0] or ""
     except BaseException:
@@ -269,7 +291,7 @@ def _keep_as_last_build(build_dir: Path, folder: Path) -> None:
     os.replace(build_dir, last)
 
 
-def build_locked(spec: KernelSpec, config: Settings, reason: str | None = None) -> Path:
+def build_locked(spec: KernelSpec, config: Settings, reason: str | None = None, jobserver: str | None = None) -> Path:
     """Build the module unless its installed library verifies; `reason` (a failed load) forces a
     rebuild. The caller holds the module's lock."""
     folder = module_dir(spec, config)
@@ -288,19 +310,19 @@ def build_locked(spec: KernelSpec, config: Settings, reason: str | None = None) 
     build_dir = Path(tempfile.mkdtemp(prefix=f"build.{os.getpid()}.", dir=folder))
     staged = f"{spec.uri}.so.staged"
     (build_dir / "build.ninja").write_text(ninja_file(spec, src, staged, config))
-    _run_ninja(build_dir, config)
+    _run_ninja(build_dir, config, jobserver)
     _install(build_dir / staged, library)
     _keep_as_last_build(build_dir, folder)
     log.info("compiled %s in %.1f s", spec.uri, time.perf_counter() - started)
     return library
 
 
-def build(spec: KernelSpec, config: Settings | None = None) -> Path:
-    """Build (once, across processes) and return the module's library path."""
+def build(spec: KernelSpec, config: Settings | None = None, jobserver: str | None = None) -> Path:
+    """Build (once, across processes) and return the module's library path. jobserver: see _run_ninja."""
     config = config or read_settings()
     library = library_path(spec, config)
     problem = integrity.problem(library)
     if problem is None:
         return library
     with module_lock(spec, config, problem):
-        return build_locked(spec, config)
+        return build_locked(spec, config, jobserver=jobserver)

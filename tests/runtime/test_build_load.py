@@ -133,7 +133,7 @@ def test_second_load_is_a_cache_hit_without_compiler(built, monkeypatch, caplog)
 def test_failed_build_leaves_no_library(cache, monkeypatch):
     spec = decode_spec((Arch.SM80,), head_dim=64)
 
-    def failing_ninja(build_dir, config):
+    def failing_ninja(build_dir, config, jobserver=None):
         # A build that dies after writing part of its output.
         (build_dir / f"{spec.uri}.so.staged").write_bytes(b"\x7fELF half")
         raise BuildError(f"ninja failed in {build_dir} (exit 1): simulated")
