@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ class ManifestBuild:
     counts: dict[str, int]  # built, cached, failed (all 0 when there is no table)
     build_s: float  # the command's own total, from its table
     wall_s: float  # the process's wall time
+    cpu_s: float  # user + system CPU time of the process and every compiler it ran
     exit_code: int
     error: str  # the command's last lines when it failed or printed no table
 
@@ -72,13 +74,21 @@ def build(manifest: Path | None, archs: list[str], parallel: int, keep: Path | N
         else:
             keep.mkdir(parents=True, exist_ok=True)  # new or empty: build.py's options check it
             cache = str(keep)
-        started = time.perf_counter()
+        started, before = time.perf_counter(), _children_cpu_s()
         done = subprocess.run(command(manifest, archs, parallel, cache), capture_output=True, text=True)
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, _children_cpu_s() - before
     tail = "\n".join((done.stderr.strip() or done.stdout.strip()).splitlines()[-TAIL_LINES:])
     try:
         rows, counts, seconds = parse_table(done.stdout)
     except TableError as exc:
         counts = dict(built=0, cached=0, failed=0)
-        return ManifestBuild([], counts, float("nan"), wall, done.returncode, f"{exc}; exit {done.returncode}\n{tail}")
-    return ManifestBuild(rows, counts, seconds, wall, done.returncode, tail if done.returncode else "")
+        return ManifestBuild([], counts, float("nan"), wall, cpu, done.returncode,
+                             f"{exc}; exit {done.returncode}\n{tail}")
+    return ManifestBuild(rows, counts, seconds, wall, cpu, done.returncode, tail if done.returncode else "")
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of the finished descendants (each process's own time counts once it is reaped, and
+    ninja reaps its compilers): the work the build did, whatever its parallelism."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

@@ -118,13 +118,14 @@ def run_manifest(args) -> tuple[list[dict], dict, bool]:
     """`attnforge build` of the manifest: its per-module rows, its totals and whether it succeeded."""
     done = _manifest_build.build(args.manifest, args.arch, args.jobs or _parallel(), args.keep_cache)
     # a failed module is a row of the table; only a run without a table needs a note
-    total = dict(modules=len(done.modules), **done.counts, build_s=done.build_s, wall_s=done.wall_s,
+    total = dict(modules=len(done.modules), **done.counts, build_s=done.build_s, wall_s=done.wall_s, cpu_s=done.cpu_s,
                  exit_code=done.exit_code, notes=done.error.splitlines()[0] if done.error and not done.modules else "")
     print("| module | seconds | size (MiB) |\n|---|---|---|")
     for row in done.modules:
         seconds = row["status"] if row["seconds"] is None else f"{row['seconds']:.1f}"
         print(f"| {row['module']} | {seconds} | {_cells(row['size_mib'])} |")
-    print(f"manifest: {total['modules']} modules in {done.wall_s:.1f} s wall, exit {done.exit_code}", flush=True)
+    print(f"manifest: {total['modules']} modules in {done.wall_s:.1f} s wall, {done.cpu_s:.0f} CPU s, "
+          f"exit {done.exit_code}", flush=True)
     if done.error:
         print(done.error)
     return done.modules, total, done.exit_code == 0 and not done.error

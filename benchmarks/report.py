@@ -268,6 +268,11 @@ def manifest_lines(run: Run) -> list[str]:
              f"{t['failed']} failed) in {num(t['wall_s'])} s of wall time, process start included "
              f"({num(t['build_s'])} s by its own count), exit status {t['exit_code']}"
              + (f"; {t['notes']}." if t["notes"] else ".")]
+    if t.get("cpu_s"):  # records before the CPU time was measured have none
+        cores = run["config"]["cpu_count"]
+        lines[0] += (f" The compilers used {num(t['cpu_s'])} CPU seconds, {t['cpu_s'] / (t['wall_s'] * cores):.0%} of "
+                     f"{cores} CPUs over the wall time: the build cannot take less than {num(t['cpu_s'] / cores)} s "
+                     "on this host without compiling less.")
     modules = run.table("manifest")
     if modules:
         body = [[r["module"], num(r["seconds"]) if r["status"] == "built" else r["status"], num(r["size_mib"])]

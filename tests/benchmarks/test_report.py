@@ -91,7 +91,7 @@ BUILD = {
         "manifest": [dict(module="decode_fa2_qbf16_hd128_abc", status="built", seconds=6.31, size_mib=1.5),
                      dict(module="prefill_fa3_qbf16_hd128_def", status="failed", seconds=None, size_mib=None)],
         "manifest_total": [dict(modules=2, built=1, cached=0, failed=1, build_s=80.0, wall_s=81.5, exit_code=1,
-                                notes="")],
+                                cpu_s=1043.2, notes="")],
     },
 }
 RECORDS = {"build": BUILD, "decode": DECODE, "prefill": PREFILL, "fp8": FP8}
@@ -183,6 +183,8 @@ def test_every_family_has_its_run_line_peers_and_ratios(files, capsys):
     assert "- prefill fa3 bf16 hd128 sm_90a: FlashInfer's build failed (exit 1)" in lines
     assert ("`attnforge build --arch 90a -j 4 --cache-dir <empty dir>` (default manifest, sm_90a; 4 module builds "
             "at once on 16 CPUs): 2 modules (1 built, 1 failed) in 81.5 s of wall time") in prose(lines)
+    assert ("The compilers used 1043.2 CPU seconds, 80% of 16 CPUs over the wall time: the build cannot take less "
+            "than 65.2 s on this host without compiling less.") in prose(lines)
     assert row(lines, "| decode_fa2_") == ["decode_fa2_qbf16_hd128_abc", "6.3", "1.5"]
     assert row(lines, "| prefill_fa3_") == ["prefill_fa3_qbf16_hd128_def", "failed", "n/a"]
 
