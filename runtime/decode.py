@@ -36,6 +36,7 @@ from .decode_inputs import (
     DecodeKnobs,
     DecodePlanInputs,
     check_knobs,
+    check_q_len,
     refuse_extras,
     refuse_run_extras,
     resolve_data_type,
@@ -127,11 +128,24 @@ class _Plan:
     indices: torch.Tensor  # kept alive: the kernel reads it
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
-    """Decode attention for a batch of requests, each one query token against its paged KV.
+def _check_kv_covers_queries(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int, q_len: int) -> None:
+    """Multi-token decode: the q_len verified tokens are the last q_len keys of each request, so every
+    request holds at least that many (FlashInfer's rule)."""
+    last = checks.host_int32(last_page_len, "last_page_len", indptr.numel() - 1)
+    pages = indptr[1:] - indptr[:-1]
+    kv_lens = torch.where(pages > 0, (pages - 1) * page_size + last, 0)
+    short = int(kv_lens.argmin())
+    if int(kv_lens[short]) < q_len:
+        raise ValueError(f"q_len_per_req={q_len}: request {short} has {int(kv_lens[short])} KV tokens; each request's "
+                         "KV must include its q_len_per_req query tokens")
 
-    Same constructor, plan() and run() arguments as FlashInfer's wrapper (use_tensor_cores=False
-    path). LSE is base 2: log2(sum_j exp(s_j)) where s_j are the scaled (soft-capped) logits.
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Decode attention for a batch of requests, each one query token (or, on the tensor-core path,
+    q_len_per_req tokens, causal among them) against its paged KV.
+
+    Same constructor, plan() and run() arguments as FlashInfer's wrapper. LSE is base 2:
+    log2(sum_j exp(s_j)) where s_j are the scaled (soft-capped) logits.
     """
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
@@ -165,6 +179,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer if self._graph else None
         self._fixed_batch_size = self._graph_batch_size or 0
         self._qo_indptr_buf = None
+        self._graph_q_len: int | None = None  # the q_len_per_req a CUDA-graph tensor-core wrapper is fixed to
         if self._graph and use_tensor_cores and self._graph_batch_size is not None:
             self._qo_indptr_buf = torch.arange(self._graph_batch_size + 1, dtype=torch.int32, device=self._device)
         self._plan_inputs: DecodePlanInputs | None = None  # what forward() and fast_decode_plan plan again from
@@ -226,13 +241,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fixed_split_size (pages) cuts every request into chunks of that size; under CUDA graphs the
         work-item capacity is static (max(batch, resident CTAs / CTAs per request)), and a fixed
         split that needs more work items is refused with the count it needs."""
-        refuse_extras(block_tables=block_tables, seq_lens=seq_lens, q_len_per_req=q_len_per_req,
-                      window_right=window_right, is_causal=is_causal, use_token_head_sf=use_token_head_sf)
+        refuse_extras(block_tables=block_tables, seq_lens=seq_lens, window_right=window_right,
+                      use_token_head_sf=use_token_head_sf)
+        q_len_per_req = check_q_len(q_len_per_req, is_causal, self.use_tensor_cores)
         q_data_type, kv_data_type = resolve_data_type(q_data_type, kv_data_type, data_type)
         self._plan_from(DecodePlanInputs(
             indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
             window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
-            fixed_split_size, disable_split_kv))
+            fixed_split_size, disable_split_kv, q_len_per_req))
 
     begin_forward = plan
 
@@ -289,10 +305,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                        "indices", self._graph_indices, "paged_kv_indices_buffer")
 
     def _plan_tensor_cores(self, inputs: DecodePlanInputs, host_indptr: torch.Tensor | None) -> None:
+        """Plan the prefill kernels: q_len_per_req query rows per request, causal among them (the last
+        row sees every key, as FlashInfer's bottom-right alignment has it)."""
         indptr = checks.host_int32(inputs.indptr if host_indptr is None else host_indptr, "indptr")
+        q_len = inputs.q_len_per_req
+        if self._graph:
+            if self._graph_q_len not in (None, q_len):
+                raise ValueError(f"q_len_per_req: this CUDA-graph wrapper was planned with {self._graph_q_len}, got "
+                                 f"{q_len}; it is part of the captured shape, so use one wrapper per q_len_per_req")
+            self._graph_q_len = q_len
+        if q_len > 1:
+            _check_kv_covers_queries(indptr, inputs.last_page_len, inputs.page_size, q_len)
+        qo_indptr = torch.arange(indptr.numel(), dtype=torch.int32) * q_len
+        if self._qo_indptr_buf is not None:
+            self._qo_indptr_buf.copy_(qo_indptr, non_blocking=True)
+        self._tensor_cores._decode_plans = q_len == 1
         self._tensor_cores.plan(
-            torch.arange(indptr.numel(), dtype=torch.int32), indptr, inputs.indices, inputs.last_page_len,
-            inputs.num_qo_heads, inputs.num_kv_heads, inputs.head_dim, inputs.page_size,
+            qo_indptr, indptr, inputs.indices, inputs.last_page_len,
+            inputs.num_qo_heads, inputs.num_kv_heads, inputs.head_dim, inputs.page_size, causal=q_len > 1,
             pos_encoding_mode=inputs.pos_encoding_mode, window_left=inputs.window_left,
             logits_soft_cap=inputs.logits_soft_cap, sm_scale=inputs.sm_scale, rope_scale=inputs.rope_scale,
             rope_theta=inputs.rope_theta, q_data_type=inputs.q_data_type, kv_data_type=inputs.kv_data_type,
@@ -384,8 +414,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             skip_softmax_threshold_scale_factor: float | None = None, kv_cache_sf=None):
         """Attention of q [batch, num_qo_heads, head_dim] over the planned pages of paged_kv_cache.
         Returns o (planned o dtype), or (o, lse) with lse [batch, num_qo_heads] fp32 base 2."""
-        if q_len_per_req not in (None, 1) or skip_softmax_threshold_scale_factor is not None or kv_cache_sf is not None:
-            refuse_run_extras(q_len_per_req, skip_softmax_threshold_scale_factor, kv_cache_sf)
+        if skip_softmax_threshold_scale_factor is not None or kv_cache_sf is not None:
+            refuse_run_extras(skip_softmax_threshold_scale_factor, kv_cache_sf)
+        if q_len_per_req is not None:
+            self._check_run_q_len(q_len_per_req)
         if self._tensor_cores is not None:
             return self._tensor_cores.run(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                           out=out, lse=lse, return_lse=return_lse, enable_pdl=enable_pdl,
@@ -433,6 +465,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
+
+    def _check_run_q_len(self, q_len_per_req) -> None:
+        """run()'s q_len_per_req (FlashInfer's deprecated place for it) must be what plan() was given."""
+        planned = self._plan_inputs.q_len_per_req if self._plan_inputs is not None else 1
+        if q_len_per_req != planned:
+            raise ValueError(f"q_len_per_req: plan() was given {planned}, run() {q_len_per_req!r}; pass it to plan() "
+                             "(q holds batch_size * q_len_per_req rows)")
 
     def run_return_lse(self, q: torch.Tensor, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)

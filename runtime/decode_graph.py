@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .decode import BatchDecodeWithPagedKVCacheWrapper
-from .decode_inputs import DecodePlanInputs, refuse_extras, resolve_data_type
+from .decode_inputs import DecodePlanInputs, check_q_len, resolve_data_type
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
@@ -43,13 +43,12 @@ def fast_decode_plan(self: BatchDecodeWithPagedKVCacheWrapper, indptr: torch.Ten
     if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
         raise TypeError(f"fast_decode_plan: the first argument must be a BatchDecodeWithPagedKVCacheWrapper, got "
                         f"{type(self).__name__}")
-    refuse_extras(block_tables=None, seq_lens=None, q_len_per_req=q_len_per_req, window_right=0, is_causal=None,
-                  use_token_head_sf=False)
+    q_len_per_req = check_q_len(q_len_per_req, None, self.use_tensor_cores)
     q_data_type, kv_data_type = resolve_data_type(q_data_type, kv_data_type, data_type)
     previous = self._plan_inputs
     o_data_type = previous.o_data_type if previous is not None else None
     inputs = DecodePlanInputs(
         indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
         window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
-        fixed_split_size, disable_split_kv)
+        fixed_split_size, disable_split_kv, q_len_per_req)
     self._plan_from(inputs, host_indptr=global_override_indptr_cpu, reuse=previous is not None)

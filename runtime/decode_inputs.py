@@ -2,6 +2,7 @@
 
     resolve_data_type  FlashInfer's deprecated data_type: fills only the dtypes left None
     refuse_extras      plan() arguments FlashInfer has for features attnforge does not (yet) have
+    check_q_len        q_len_per_req and is_causal, FlashInfer's multi-token decode arguments
     DecodePlanInputs   plan()'s arguments as given: what fast_decode_plan and forward() plan again from
     DecodeKnobs        the checked, page-table-independent part: the module and scalars, reusable
                        by a re-plan whose only change is the page table (lengths)
@@ -31,31 +32,34 @@ def resolve_data_type(q_data_type, kv_data_type, data_type):
     return ("float16" if q_data_type is None else q_data_type), kv_data_type
 
 
-def refuse_extras(*, block_tables, seq_lens, q_len_per_req, window_right, is_causal, use_token_head_sf) -> None:
+def refuse_extras(*, block_tables, seq_lens, window_right, use_token_head_sf) -> None:
     """FlashInfer plan() arguments accepted at their neutral values and refused otherwise, naming them."""
     if block_tables is not None or seq_lens is not None:
         raise ValueError("block_tables/seq_lens: pass the page table as indptr, indices and last_page_len")
-    if isinstance(q_len_per_req, bool) or not isinstance(q_len_per_req, int) or q_len_per_req < 1:
-        raise ValueError(f"q_len_per_req: expected a positive int, got {q_len_per_req!r}")
-    if q_len_per_req > 1:
-        raise ValueError(f"q_len_per_req={q_len_per_req}: multi-token decode (several query tokens per request) is "
-                         "not yet supported; plan with q_len_per_req=1, or use BatchPrefillWithPagedKVCacheWrapper "
-                         "with a qo_indptr of q_len_per_req tokens per request and causal=True")
     if window_right != 0:
         raise ValueError(f"window_right: only 0 (no key after the query token) is supported, got {window_right!r}")
-    if is_causal not in (None, False):
-        raise ValueError(f"is_causal={is_causal!r}: with one query token per request there is nothing to mask; "
-                         "leave it None")
     if use_token_head_sf:
         raise ValueError("use_token_head_sf: per-(token, head) fp8 KV scales are not supported; pass per-tensor "
                          "k_scale/v_scale to run()")
 
 
-def refuse_run_extras(q_len_per_req, skip_softmax_threshold_scale_factor, kv_cache_sf) -> None:
+def check_q_len(q_len_per_req, is_causal, tensor_cores: bool) -> int:
+    """FlashInfer's multi-token decode (speculative verification): each request has q_len_per_req
+    query tokens, causal among them, on the tensor-core path only; is_causal follows from it and may
+    only be given at that value."""
+    if isinstance(q_len_per_req, bool) or not isinstance(q_len_per_req, int) or q_len_per_req < 1:
+        raise ValueError(f"q_len_per_req: expected a positive int, got {q_len_per_req!r}")
+    if is_causal is not None and bool(is_causal) != (q_len_per_req > 1):
+        raise ValueError(f"is_causal={is_causal!r}: decode is causal exactly when q_len_per_req > 1 (here "
+                         f"{q_len_per_req}); leave it None")
+    if q_len_per_req > 1 and not tensor_cores:
+        raise ValueError(f"q_len_per_req={q_len_per_req}: several query tokens per request run on the tensor-core "
+                         "decode path; construct the wrapper with use_tensor_cores=True")
+    return q_len_per_req
+
+
+def refuse_run_extras(skip_softmax_threshold_scale_factor, kv_cache_sf) -> None:
     """FlashInfer run() arguments for features attnforge does not have, named when given."""
-    if q_len_per_req not in (None, 1):
-        raise ValueError(f"q_len_per_req={q_len_per_req!r}: multi-token decode is not yet supported; q holds one "
-                         "token per request")
     if skip_softmax_threshold_scale_factor is not None:
         raise ValueError("skip_softmax_threshold_scale_factor: skip-softmax decode is not supported; leave it None")
     if kv_cache_sf is not None:
@@ -84,12 +88,14 @@ class DecodePlanInputs:
     rope_theta: float | None
     fixed_split_size: int | None
     disable_split_kv: bool
+    q_len_per_req: int = 1  # query tokens per request (checked by check_q_len)
 
     def knobs_key(self) -> tuple:
         """Everything but the page table: equal keys plan the same module and scalars."""
         return (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.pos_encoding_mode,
                 self.window_left, self.logits_soft_cap, self.q_data_type, self.kv_data_type, self.o_data_type,
-                self.sm_scale, self.rope_scale, self.rope_theta, self.fixed_split_size, self.disable_split_kv)
+                self.sm_scale, self.rope_scale, self.rope_theta, self.fixed_split_size, self.disable_split_kv,
+                self.q_len_per_req)
 
 
 @dataclass(slots=True)

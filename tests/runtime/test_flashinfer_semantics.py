@@ -26,9 +26,10 @@ class Stop(Exception):
     """Raised by a capturing seam once it holds plan()'s arguments."""
 
 
-def _decode_capturing(monkeypatch, planned: DecodePlanInputs | None = None):
+def _decode_capturing(monkeypatch, planned: DecodePlanInputs | None = None, tensor_cores: bool = False):
     wrapper = object.__new__(attnforge.BatchDecodeWithPagedKVCacheWrapper)
     wrapper._plan_inputs = planned
+    wrapper._tensor_cores = object() if tensor_cores else None
     calls = []
     monkeypatch.setattr(wrapper, "_plan_from", lambda inputs, host_indptr=None, reuse=False:
                         calls.append((inputs, host_indptr, reuse)), raising=False)
@@ -156,7 +157,9 @@ def test_decode_plan_accepts_neutral_values_and_names_the_rest(monkeypatch):
     wrapper, calls = _decode_capturing(monkeypatch)
     wrapper.plan(*PAGE_TABLE, 8, 2, 128, 16, q_len_per_req=1, window_right=0, is_causal=None)
     assert len(calls) == 1
-    for kwargs, text in ((dict(q_len_per_req=2), "multi-token decode .* not yet supported"),
+    for kwargs, text in ((dict(q_len_per_req=2), "q_len_per_req=2: .*use_tensor_cores=True"),
+                         (dict(q_len_per_req=0), "q_len_per_req: expected a positive int, got 0"),
+                         (dict(is_causal=True), "is_causal=True: decode is causal exactly when q_len_per_req > 1"),
                          (dict(window_right=3), "window_right"), (dict(use_token_head_sf=True), "use_token_head_sf"),
                          (dict(block_tables=torch.zeros(1, 1)), "block_tables")):
         with pytest.raises(ValueError, match=text):
@@ -164,10 +167,35 @@ def test_decode_plan_accepts_neutral_values_and_names_the_rest(monkeypatch):
     assert len(calls) == 1
 
 
-def test_decode_run_refuses_multi_token_queries_by_name():
+def test_multi_token_decode_plans_on_tensor_cores(monkeypatch):
+    wrapper, calls = _decode_capturing(monkeypatch, tensor_cores=True)
+    wrapper.plan(*PAGE_TABLE, 8, 2, 128, 16, q_len_per_req=3)
+    wrapper.plan(*PAGE_TABLE, 8, 2, 128, 16, q_len_per_req=2, is_causal=True)
+    assert [inputs.q_len_per_req for inputs, _, _ in calls] == [3, 2]
+    assert calls[0][0].knobs_key() != calls[1][0].knobs_key()  # a re-plan never reuses another q_len's knobs
+    with pytest.raises(ValueError, match="is_causal=False"):
+        wrapper.plan(*PAGE_TABLE, 8, 2, 128, 16, q_len_per_req=2, is_causal=False)
+
+
+def test_decode_run_q_len_must_be_the_planned_one():
     wrapper = object.__new__(attnforge.BatchDecodeWithPagedKVCacheWrapper)
-    with pytest.raises(ValueError, match="q_len_per_req=2: multi-token decode is not yet supported"):
-        wrapper.run(torch.zeros(1), None, q_len_per_req=2)
+    wrapper._plan_inputs = _inputs(q_len_per_req=2)
+    with pytest.raises(ValueError, match="q_len_per_req: plan\\(\\) was given 2, run\\(\\) 3"):
+        wrapper.run(torch.zeros(1), None, q_len_per_req=3)
+
+
+@pytest.mark.parametrize("indptr, last, q_len, bad", [
+    ([0, 1, 3], [2, 16], 3, 0),  # request 0: one page holding 2 tokens < 3
+    ([0, 2, 2], [1, 5], 2, 1),  # request 1: no pages
+    ([0, 1, 3], [3, 1], 3, None),  # 3 and 17 tokens: enough
+])
+def test_multi_token_decode_needs_kv_holding_the_queries(indptr, last, q_len, bad):
+    args = (torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), 16, q_len)
+    if bad is None:
+        decode._check_kv_covers_queries(*args)
+        return
+    with pytest.raises(ValueError, match=f"request {bad} has"):
+        decode._check_kv_covers_queries(*args)
 
 
 def test_prefill_plan_refuses_unsupported_features_by_name(monkeypatch):
@@ -202,7 +230,7 @@ def test_fast_decode_plan_replans_through_the_wrapper(monkeypatch):
     assert inputs.knobs_key() == _inputs().knobs_key()  # o_data_type carried over from the previous plan
     fast_decode_plan(wrapper, *PAGE_TABLE, 8, 2, 128, 16, data_type=torch.float16)
     assert (calls[1][0].q_data_type, calls[1][0].kv_data_type) == (torch.float16, torch.float16)
-    with pytest.raises(ValueError, match="q_len_per_req=3: multi-token decode"):
+    with pytest.raises(ValueError, match="q_len_per_req=3: .*use_tensor_cores=True"):
         fast_decode_plan(wrapper, *PAGE_TABLE, 8, 2, 128, 16, q_len_per_req=3)
 
 
