@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from . import _record
+from . import _overhead, _record
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
@@ -41,6 +41,8 @@ KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.
 PLAN_BATCHES = (1, 64, 256)
 PLAN_KV_LEN = 4096
 PLAN_CALLS = 200
+OVERHEAD_KV_LEN = 1024
+OVERHEAD_WORKSPACE = 128 << 20
 
 
 def parse_args(argv):
@@ -55,6 +57,7 @@ def parse_args(argv):
     p.add_argument("--flush-l2", action="store_true", help="write 512 MB between timed calls")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")
+    p.add_argument("--no-overhead", action="store_true", help="skip the run() host-overhead measurement")
     _record.add_out_option(p)
     return p.parse_args(argv)
 
@@ -130,15 +133,47 @@ def attnforge_decode(problem: Problem, layout: str):
 
     batch = problem.q.shape[0]
     ws_bytes = attnforge.decode_workspace_size(batch, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, device=problem.q.device)
-    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
-        torch.empty(ws_bytes, dtype=torch.uint8, device="cuda"), kv_layout=layout
-    )
+    return decode_call(attnforge, problem, layout, torch.empty(ws_bytes, dtype=torch.uint8, device="cuda"))
+
+
+def decode_call(library, problem: Problem, layout: str, workspace: torch.Tensor, tensor_cores: bool = False):
+    """(run, out) through `library`'s BatchDecodeWithPagedKVCacheWrapper (attnforge or FlashInfer:
+    the same calls), planned once."""
+    wrapper = library.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=tensor_cores)
     wrapper.plan(
         problem.indptr, problem.indices, problem.last_page_len,
         NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=DTYPE, kv_data_type=problem.kv_dtype,
     )
     out = torch.empty_like(problem.q)
     return (lambda: wrapper.run(problem.q, problem.cache, out=out)), out
+
+
+def flashinfer_or_reason():
+    """(the flashinfer module, "") when the peer imports, else (None, why)."""
+    try:
+        import flashinfer
+    except Exception as exc:  # a broken install is as absent as a missing one
+        return None, f"FlashInfer not importable ({type(exc).__name__}: {exc})"
+    return flashinfer, ""
+
+
+def overhead_rows(layout: str) -> tuple[list[dict], str]:
+    """run()'s host overhead at batch 1 x OVERHEAD_KV_LEN, ours and FlashInfer's, both decode paths."""
+    import attnforge
+
+    problem = make_problem(1, OVERHEAD_KV_LEN, layout)
+    flashinfer, note = flashinfer_or_reason()
+    libraries = [("attnforge", attnforge)] + ([("flashinfer", flashinfer)] if flashinfer is not None else [])
+    rows = []
+    for name, library in libraries:
+        for tensor_cores in (False, True):
+            workspace = torch.empty(OVERHEAD_WORKSPACE, dtype=torch.uint8, device="cuda")
+            call, _ = decode_call(library, problem, layout, workspace, tensor_cores)
+            found = _overhead.measure(call)
+            rows.append(dict(library=name, path="tensor cores" if tensor_cores else "CUDA cores", batch=1,
+                             kv_len=OVERHEAD_KV_LEN, eager_us=found.eager_us, graph_us=found.graph_us,
+                             overhead_us=found.overhead_us, host_us=found.host_us))
+    return rows, note
 
 
 def sdpa_decode(problem: Problem, backend):
@@ -267,6 +302,15 @@ def _fmt(x, spec=".1f"):
     return "n/a" if x is None else format(x, spec)
 
 
+def overhead_markdown(rows: list[dict], note: str) -> list[str]:
+    lines = ["", f"run() host overhead, batch 1 x kv {OVERHEAD_KV_LEN} (µs per call; eager minus graph replay)"
+             + (f"; {note}" if note else ""), "",
+             "| library | path | eager | graph replay | overhead | host clock |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['library']} | {r['path']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} | {r['overhead_us']:.1f} | "
+              f"{r['host_us']:.1f} |" for r in rows]
+    return lines
+
+
 def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float) -> str:
     lines = [
         f"copy bandwidth (D2D, read+write): {copy_gbps:.0f} GB/s; first plan+run (includes the module "
@@ -329,13 +373,17 @@ def main(argv=None) -> int:
             r.speedup_vs_bf16_kv = bf16_us[(r.batch, r.kv_len)] / r.us
     plans = {} if args.no_plan else {b: plan_host_us(b, args.layout) for b in PLAN_BATCHES}
 
+    overhead, overhead_note = ([], "") if args.no_overhead else overhead_rows(args.layout)
+
     print(markdown(rows, copy_gbps, plans, first_call_s))
+    if overhead:
+        print("\n".join(overhead_markdown(overhead, overhead_note)))
     if args.out:
         _record.write(args.out, "decode", argv, config(args), tables=dict(
             decode=[asdict(r) for r in rows],
             plan=[dict(batch=b, kv_len=PLAN_KV_LEN, calls=PLAN_CALLS, us=us) for b, us in plans.items()],
-            check=checks,
-        ), copy_bandwidth_gbps=copy_gbps, first_plan_run_s=first_call_s)
+            check=checks, overhead=overhead,
+        ), copy_bandwidth_gbps=copy_gbps, first_plan_run_s=first_call_s, overhead_note=overhead_note)
     return 0
 
 

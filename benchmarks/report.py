@@ -149,7 +149,23 @@ def decode_table(run: Run) -> list[str]:
     if plans:
         lines += ["", f"plan() host time, median of {plans[0]['calls']} calls at kv len {plans[0]['kv_len']}: "
                   + ", ".join(f"batch {p['batch']} {num(p['us'])} µs" for p in plans) + "."]
-    return lines
+    return lines + overhead_lines(run)
+
+
+def overhead_lines(run: Run) -> list[str]:
+    """run()'s host overhead, ours and FlashInfer's from the same process, when measured."""
+    rows = run.table("overhead")
+    if not rows:
+        return []
+    note = run.doc.get("overhead_note") or ""
+    lines = ["", f"run() host overhead, batch {rows[0]['batch']} x kv {rows[0]['kv_len']}: back-to-back eager calls "
+             "against replays of a CUDA graph of the same call (µs per call, median of 7 loops of 200 calls); "
+             "overhead = eager - graph, the host time run() adds above the kernel; host clock = the CPU time of one "
+             "call" + (f". {note}" if note else "") + ".", ""]
+    body = [[r["library"], r["path"], num(r["eager_us"]), num(r["graph_us"]), num(r["overhead_us"]), num(r["host_us"])]
+            for r in rows]
+    return lines + table(["library", "decode path", "eager (µs)", "graph replay (µs)", "overhead (µs)",
+                          "host clock (µs)"], body, left=2)
 
 
 def tensor_core_table(run: Run) -> list[str]:

@@ -35,6 +35,10 @@ DECODE = {
         ],
         "plan": [dict(batch=1, kv_len=4096, calls=200, us=18.2), dict(batch=256, kv_len=4096, calls=200, us=30.8)],
         "check": [dict(kv_dtype="bf16", batch=1, kv_len=16384, max_abs=2e-3, rel_l2=1.5e-3)],
+        "overhead": [dict(library="attnforge", path="CUDA cores", batch=1, kv_len=1024, eager_us=21.5, graph_us=9.0,
+                          overhead_us=12.5, host_us=20.1),
+                     dict(library="flashinfer", path="tensor cores", batch=1, kv_len=1024, eager_us=30.0,
+                          graph_us=10.0, overhead_us=20.0, host_us=28.7)],
     },
 }
 PREFILL_ROW = dict(batch=4, length=4096, head_dim=128, causal=False, paged_tflops=320.0, ragged_tflops=340.0,
@@ -148,6 +152,9 @@ def test_every_family_has_its_run_line_peers_and_ratios(files, capsys):
     assert row(lines, "| bf16 | 1 |")[6:] == ["n/a", "60.0", "n/a", "1.200"]
     assert "- bf16 1 x 16384: cudnn n/a: no kernel" in lines
     assert "plan() host time, median of 200 calls at kv len 4096: batch 1 18.2 µs, batch 256 30.8 µs." in prose(lines)
+    assert "run() host overhead, batch 1 x kv 1024: back-to-back eager calls" in prose(lines)
+    assert row(lines, "| attnforge | CUDA cores |") == ["attnforge", "CUDA cores", "21.5", "9.0", "12.5", "20.1"]
+    assert row(lines, "| flashinfer | tensor cores |") == ["flashinfer", "tensor cores", "30.0", "10.0", "20.0", "28.7"]
     assert "copy bandwidth 4273 GB/s" in prose(lines) and "within 7.8e-03 max abs of ours" in prose(lines)
     assert len(row(lines, "| GQA group |")) == 1 + 2 * 3 + 1
     assert row(lines, "| 8 |")[:3] == ["8", "2000.0", "12.4"]
@@ -198,7 +205,7 @@ def test_every_table_row_has_its_header_s_cells(files, capsys):
         elif current:
             blocks.append(current)
             current = []
-    assert len(blocks) == 9
+    assert len(blocks) == 10
     for block in blocks:
         assert len({line.count("|") for line in block}) == 1, block[0]
         assert set(block[1].strip("|").replace(" ", "").split("|")) <= {"---", "---:"}

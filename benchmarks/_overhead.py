@@ -1,0 +1,62 @@
+"""run()'s host overhead: what a serving engine pays per eager call on top of the kernel.
+
+A batch-1 decode kernel takes a few µs, so back-to-back eager calls are bound by the host: their
+per-call time minus that of replaying the same call from a CUDA graph (the kernel alone, launched
+without Python) is the host time run() adds. Also reported: the host time of one call measured on
+the CPU clock (the calls are asynchronous; the queue never fills at this count).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ._timing import settle
+
+CALLS = 200
+REPEATS = 7  # the median of this many loops of CALLS calls
+
+
+@dataclass
+class Overhead:
+    eager_us: float  # per call, back to back, CUDA events around the loop
+    graph_us: float  # per replay of a graph holding one call
+    host_us: float  # per call, the CPU clock around the loop (no synchronize inside)
+
+    @property
+    def overhead_us(self) -> float:
+        return self.eager_us - self.graph_us
+
+
+def _loop_us(fn, calls: int) -> tuple[float, float]:
+    """(GPU-clock µs, CPU-clock µs) per call over `calls` back-to-back calls."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize()
+    return 1000.0 * start.elapsed_time(end) / calls, 1e6 * host / calls
+
+
+def measure(call) -> Overhead:
+    """call(): one run() on static buffers (capturable). Times it eager, then from a CUDA graph."""
+    settle(call, 20)
+    eager, host = zip(*(_loop_us(call, CALLS) for _ in range(REPEATS)))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    settle(graph.replay, 20)
+    replay = [_loop_us(graph.replay, CALLS)[0] for _ in range(REPEATS)]
+    return Overhead(statistics.median(eager), statistics.median(replay), statistics.median(host))
