@@ -13,7 +13,7 @@ import ctypes
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ from attnforge.codegen.spec import PosEncoding
 
 from . import call_knobs, checks, dispatch, kv_cache
 from .loader import Module, load
+from .run_args import Accepted, checked_paged
 from .plan_buffers import cuda_index, current_stream, lse_output, num_sms, output, score_scales, split_tokens
 from .planner import (
     MAX_CTAS_PER_SM_BOUND,
@@ -126,6 +127,8 @@ class _Plan:
     window_left: int
     host_max_page: int | None  # known when indices came from the host
     indices: torch.Tensor  # kept alive: the kernel reads it
+    accepted: Accepted = field(default_factory=Accepted)  # tensor forms run() checked in full
+    scales: tuple[float, float] = (1.0, 1.0)  # the (q_scale, k_scale) folded into params
 
 
 def _check_kv_covers_queries(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int, q_len: int) -> None:
@@ -163,6 +166,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._backend = dispatch.parse_backend(backend)
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
+        self._device_index = cuda_index(self._device)
         self._kv_layout = kv_layout
         self._graph = bool(use_cuda_graph)
         self._graph_batch_size = None
@@ -406,6 +410,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _set_scales(self, q_scale: float, k_scale: float) -> None:
         plan = self._plan
         plan.params.score_scale, plan.params.post_scale = score_scales(plan.sm_scale * q_scale * k_scale, plan.soft_cap)
+        plan.scales = (q_scale, k_scale)
 
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
@@ -425,46 +430,56 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan(): call plan() with the batch's page table first")
-        # rule fa2-no-fp8-q: a CUDA-core decode query is 16-bit; FlashInfer ignores extra positional arguments then.
-        q_scale, k_scale, v_scale = checks.positional_scales(args, False, q_scale, k_scale, v_scale)
-        checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the decode kernel")
-        checks.tensor(q, "q")
-        checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
-        checks.device(q, "q", self._device)
-        checks.shape(q, "q", (plan.batch_size, plan.num_qo_heads, plan.head_dim), "[batch_size, num_qo_heads, head_dim]")
-        checks.vector_aligned(q, "q")
-        k_cache, v_cache = kv_cache.split_paged(paged_kv_cache, self._kv_layout, plan.page_size, plan.num_kv_heads,
-                                                plan.head_dim, plan.head_dim, plan.dtype_kv, self._device)
-        num_pages = k_cache.shape[0]
-        if plan.host_max_page is not None and plan.host_max_page >= num_pages:
-            raise ValueError(f"indices: page id {plan.host_max_page} is out of range for a cache of {num_pages} pages")
-
-        out = output(out, "out", q.shape, plan.dtype_o, self._device, "same as q")
+        if args or q_scale is not None or k_scale is not None or v_scale is not None:
+            # rule fa2-no-fp8-q: a CUDA-core decode query is 16-bit; FlashInfer ignores extra positional arguments then.
+            q_scale, k_scale, v_scale = checks.positional_scales(args, False, q_scale, k_scale, v_scale)
+            q_scale, k_scale = checks.scale(q_scale, "q_scale"), checks.scale(k_scale, "k_scale")
+            v_scale = checks.scale(v_scale, "v_scale")
+        if enable_pdl or window_left is not None or sinks is not None:
+            checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the decode kernel")
+        accepted = plan.accepted
+        if not accepted.known(q):
+            self._check_q(q, plan)
+        cache = accepted.paged(paged_kv_cache, self._check_cache)
+        if plan.host_max_page is not None and plan.host_max_page >= cache.num_pages:
+            raise ValueError(f"indices: page id {plan.host_max_page} is out of range for a cache of "
+                             f"{cache.num_pages} pages")
+        if out is None:
+            out = torch.empty(q.shape, dtype=plan.dtype_o, device=self._device)
+        elif not accepted.known(out):
+            accepted.add(output(out, "out", q.shape, plan.dtype_o, self._device, "same as q"))
         if return_lse:
             lse = lse_output(lse, q.shape[:2], self._device, "[batch_size, num_qo_heads]")
-
-        q_scale = checks.scale(q_scale, "q_scale")
-        k_scale = checks.scale(k_scale, "k_scale")
-        v_scale = checks.scale(v_scale, "v_scale")
-        self._set_scales(q_scale or 1.0, k_scale or 1.0)
+        scales = (q_scale or 1.0, k_scale or 1.0)
+        if scales != plan.scales:
+            self._set_scales(*scales)
         params = plan.params
-        params.q, params.k, params.v = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        params.q, params.k, params.v = q.data_ptr(), cache.k_ptr, cache.v_ptr
         params.o, params.lse = out.data_ptr(), lse.data_ptr() if return_lse else None
         params.q_stride_n, params.q_stride_h = q.stride(0), q.stride(1)
         params.o_stride_n, params.o_stride_h = out.stride(0), out.stride(1)
-        params.num_pages = num_pages
-        stride_page, stride_token, stride_head = kv_cache.paged_strides(k_cache, self._kv_layout)
-        if kv_cache.paged_strides(v_cache, self._kv_layout) != (stride_page, stride_token, stride_head):
-            raise ValueError(f"paged_kv_cache: k and v caches must have equal strides, got {tuple(k_cache.stride())} "
-                             f"and {tuple(v_cache.stride())}")
-        params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = stride_page, stride_token, stride_head
-        stream = current_stream(cuda_index(self._device))
-        plan.module.check(plan.module.fns["decode_run"](ctypes.byref(params), stream), "decode run")
+        params.num_pages = cache.num_pages
+        params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = cache.strides
+        plan.module.check(plan.module.fns["decode_run"](ctypes.byref(params), current_stream(self._device_index)),
+                          "decode run")
         if params.debug_sync:
             self._raise_kernel_errors()
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
+
+    def _check_q(self, q, plan: _Plan) -> None:
+        checks.tensor(q, "q")
+        checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
+        checks.device(q, "q", self._device)
+        checks.shape(q, "q", (plan.batch_size, plan.num_qo_heads, plan.head_dim), "[batch_size, num_qo_heads, head_dim]")
+        checks.vector_aligned(q, "q")
+        plan.accepted.add(q)
+
+    def _check_cache(self, paged_kv_cache):
+        plan = self._plan
+        return checked_paged(paged_kv_cache, self._kv_layout, plan.page_size, plan.num_kv_heads, plan.head_dim,
+                             plan.head_dim, plan.dtype_kv, self._device)
 
     def _check_run_q_len(self, q_len_per_req) -> None:
         """run()'s q_len_per_req (FlashInfer's deprecated place for it) must be what plan() was given."""
@@ -516,6 +531,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
         plan = self._tensor_cores._plan if self._tensor_cores is not None else self._plan
         plan.sm_scale, plan.soft_cap = given["sm_scale"], given["soft_cap"]
+        if self._tensor_cores is None:
+            self._set_scales(*plan.scales)  # run() folds them in only when the call's scales change
+        else:
+            plan.scales = None
 
     def _raise_kernel_errors(self) -> None:
         torch.cuda.synchronize(self._device)

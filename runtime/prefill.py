@@ -14,7 +14,7 @@ import ctypes
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
 
 from . import call_knobs, checks, dispatch, kv_cache
 from .loader import Module
+from .run_args import Accepted, checked_paged
 from .plan_buffers import PlanImage, cuda_index, current_stream, float_workspace, lse_output, output, score_scales
 from .prefill_plan_steps import (
     KernelOptions,
@@ -59,6 +60,9 @@ class _Plan:
     window_left: int
     host_max_page: int | None
     keep_alive: tuple  # device tensors the kernel reads (page ids, packed mask)
+    fp8_query: bool = False
+    accepted: Accepted = field(default_factory=Accepted)  # tensor forms run() checked in full
+    scales: tuple[float, float] | None = None  # the (q_scale, k_scale) folded into params; None: none yet
 
 
 # The kernel options both plan()s take under the same names, passed on to check_options.
@@ -80,6 +84,7 @@ class _BatchPrefillWrapper:
                  jit_args, jit_kwargs) -> None:
         self._workspace = float_workspace(float_workspace_buffer)
         self._device = float_workspace_buffer.device
+        self._device_index = cuda_index(self._device)
         self._kv_layout = kv_cache.check_layout(kv_layout)
         if jit_args is not None or jit_kwargs is not None:
             raise ValueError("jit_args/jit_kwargs: custom attention variants are not supported; leave them None")
@@ -130,7 +135,7 @@ class _BatchPrefillWrapper:
             dtype_q=dispatch.torch_dtype(options.dtype_q), dtype_kv=dispatch.torch_dtype(options.dtype_kv),
             dtype_o=dispatch.torch_dtype(options.dtype_o), sm_scale=options.sm_scale, soft_cap=options.soft_cap,
             window_left=options.window_left, host_max_page=host_max_page,
-            keep_alive=tuple(t for t in (indices, mask) if t is not None))
+            keep_alive=tuple(t for t in (indices, mask) if t is not None), fp8_query=options.dtype_q.is_fp8)
 
     def _rows(self, batch_size: int, total_q: int) -> int:
         """Query rows the plan covers: the batch's, or under CUDA graphs the first plan's, which fixes
@@ -145,26 +150,34 @@ class _BatchPrefillWrapper:
         return self._graph_shape[1]
 
     # ------------------------------------------------------------------ run
-    def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_strides: tuple, v_strides: tuple,
+    def _launch(self, q: torch.Tensor, k_ptr: int, v_ptr: int, k_strides: tuple, v_strides: tuple,
                 num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool) -> object:
         plan = self._plan
-        fp8_query = dispatch.to_dtype(plan.dtype_q, "q_data_type").is_fp8
-        q_scale, k_scale, v_scale = checks.positional_scales(args, fp8_query, q_scale, k_scale, v_scale)
-        checks.tensor(q, "q")
-        checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
-        checks.device(q, "q", self._device)
-        checks.shape(q, "q", (plan.total_q, plan.num_qo_heads, plan.head_dim_qk),
-                     "[qo_indptr[-1], num_qo_heads, head_dim_qk]")
-        checks.vector_aligned(q, "q")
-        out = output(out, "out", (plan.total_q, plan.num_qo_heads, plan.head_dim_vo), plan.dtype_o, self._device,
-                     "[qo_indptr[-1], num_qo_heads, head_dim_vo]")
+        accepted = plan.accepted
+        if args or plan.fp8_query or q_scale is not None or k_scale is not None or v_scale is not None:
+            q_scale, k_scale, v_scale = checks.positional_scales(args, plan.fp8_query, q_scale, k_scale, v_scale)
+            q_scale, k_scale, v_scale = self._scales(plan.fp8_query, q_scale, k_scale, v_scale)
+        if not accepted.known(q):
+            checks.tensor(q, "q")
+            checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
+            checks.device(q, "q", self._device)
+            checks.shape(q, "q", (plan.total_q, plan.num_qo_heads, plan.head_dim_qk),
+                         "[qo_indptr[-1], num_qo_heads, head_dim_qk]")
+            checks.vector_aligned(q, "q")
+            accepted.add(q)
+        out_shape = (plan.total_q, plan.num_qo_heads, plan.head_dim_vo)
+        if out is None:
+            out = torch.empty(out_shape, dtype=plan.dtype_o, device=self._device)
+        elif not accepted.known(out):
+            accepted.add(output(out, "out", out_shape, plan.dtype_o, self._device,
+                                "[qo_indptr[-1], num_qo_heads, head_dim_vo]"))
         if return_lse:
             lse = lse_output(lse, (plan.total_q, plan.num_qo_heads), self._device, "[qo_indptr[-1], num_qo_heads]")
         params = plan.params
-        q_scale, k_scale, v_scale = self._scales(fp8_query, q_scale, k_scale, v_scale)
-        params.sm_scale_log2, params.soft_cap_log2 = score_scales(plan.sm_scale * (q_scale or 1.0) * (k_scale or 1.0),
-                                                                  plan.soft_cap)
-        params.q, params.k, params.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        scales = (q_scale or 1.0, k_scale or 1.0)
+        if scales != plan.scales:
+            self._set_scales(scales)
+        params.q, params.k, params.v = q.data_ptr(), k_ptr, v_ptr
         params.o, params.lse = out.data_ptr(), lse.data_ptr() if return_lse else None
         params.q_stride_n, params.q_stride_h = q.stride(0), q.stride(1)
         params.o_stride_n, params.o_stride_h = out.stride(0), out.stride(1)
@@ -172,7 +185,7 @@ class _BatchPrefillWrapper:
         params.v_stride_page, params.v_stride_token, params.v_stride_head = v_strides
         params.num_pages = num_pages
         params.q_tokens = q.shape[0]
-        stream = current_stream(cuda_index(self._device))
+        stream = current_stream(self._device_index)
         plan.module.check(plan.module.fns["prefill_run"](ctypes.byref(params), stream), "prefill run")
         if params.debug_sync and self._image.read_slot(PLAN_HEADER.index("error")) & PLAN_ERROR_BAD_PAGE:
             raise RuntimeError(f"{plan.module.spec.uri}: {plan.module.spec.backend.value}::prefill_kernel read a page id "
@@ -180,6 +193,13 @@ class _BatchPrefillWrapper:
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
+
+    def _set_scales(self, scales: tuple[float, float]) -> None:
+        """Fold (q_scale, k_scale) into the planned softmax scale; run() calls it only when they change."""
+        plan = self._plan
+        plan.params.sm_scale_log2, plan.params.soft_cap_log2 = score_scales(plan.sm_scale * scales[0] * scales[1],
+                                                                            plan.soft_cap)
+        plan.scales = scales
 
     def _scales(self, fp8_query: bool, q_scale, k_scale, v_scale) -> tuple[float | None, float | None, float | None]:
         """The float scales; tensor (per-head) ones, which only the fa3 fp8 kernels take, go into the
@@ -225,6 +245,7 @@ class _BatchPrefillWrapper:
             self._plan_batch(request, dataclasses.replace(options, **given))
             return
         self._plan.sm_scale, self._plan.soft_cap = given["sm_scale"], given["soft_cap"]
+        self._plan.scales = None  # the next run() folds its scales into the new sm_scale
         options.sm_scale, options.soft_cap = given["sm_scale"], given["soft_cap"]
 
     def end_forward(self) -> None:
@@ -292,21 +313,19 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
             _refuse_run(lse_base=lse_base, lse_layout=lse_layout, kv_cache_sf=kv_cache_sf,
                         skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                         use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
-        checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
-        k_cache, v_cache = kv_cache.split_paged(paged_kv_cache, self._kv_layout, plan.page_size, plan.num_kv_heads,
-                                                plan.head_dim_qk, plan.head_dim_vo, plan.dtype_kv, self._device)
-        num_pages = k_cache.shape[0]
-        if plan.host_max_page is not None and plan.host_max_page >= num_pages:
+        if enable_pdl or window_left is not None or sinks is not None:
+            checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
+        cache = plan.accepted.paged(paged_kv_cache, self._check_cache)
+        if plan.host_max_page is not None and plan.host_max_page >= cache.num_pages:
             raise ValueError(f"paged_kv_indices: page id {plan.host_max_page} is out of range for a cache of "
-                             f"{num_pages} pages")
-        strides = kv_cache.paged_strides(k_cache, self._kv_layout)
-        if kv_cache.paged_strides(v_cache, self._kv_layout) != strides:
-            # The kernel resolves each page id once per tile into one row offset for K and V.
-            raise ValueError(f"paged_kv_cache: k and v caches must have equal (page, token, head) strides, got "
-                             f"{strides} and {kv_cache.paged_strides(v_cache, self._kv_layout)}; with head_dim_vo < "
-                             "head_dim_qk store V in pages of K's shape and pass v_cache[..., :head_dim_vo]")
-        return self._launch(q, k_cache, v_cache, strides, strides, num_pages, args, q_scale, k_scale, v_scale, out,
-                            lse, return_lse)
+                             f"{cache.num_pages} pages")
+        return self._launch(q, cache.k_ptr, cache.v_ptr, cache.strides, cache.strides, cache.num_pages, args, q_scale,
+                            k_scale, v_scale, out, lse, return_lse)
+
+    def _check_cache(self, paged_kv_cache):
+        plan = self._plan
+        return checked_paged(paged_kv_cache, self._kv_layout, plan.page_size, plan.num_kv_heads, plan.head_dim_qk,
+                             plan.head_dim_vo, plan.dtype_kv, self._device)
 
     def run_return_lse(self, q: torch.Tensor, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
@@ -383,8 +402,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         k_token, k_head = kv_cache.ragged_strides(k, self._kv_layout)
         v_token, v_head = kv_cache.ragged_strides(v, self._kv_layout)
         # A ragged cache is a paged one of one-token pages: num_pages carries its rows (fa3 boxes them by TMA).
-        return self._launch(q, k, v, (0, k_token, k_head), (0, v_token, v_head), plan.total_kv, args, q_scale, k_scale,
-                            v_scale, out, lse, return_lse)
+        return self._launch(q, k.data_ptr(), v.data_ptr(), (0, k_token, k_head), (0, v_token, v_head), plan.total_kv,
+                            args, q_scale, k_scale, v_scale, out, lse, return_lse)
 
     def run_return_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs):
         return self.run(q, k, v, *args, return_lse=True, **kwargs)

@@ -12,6 +12,7 @@ argument by name). Everything before those seams is the code under test.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import attnforge
 from attnforge import call_knobs, decode, prefill
 from attnforge.decode_inputs import DecodePlanInputs, resolve_data_type
 from attnforge.decode_graph import fast_decode_plan
+from attnforge.plan_buffers import score_scales
 
 
 class Stop(Exception):
@@ -259,10 +261,12 @@ def test_call_knobs_compare_meanings():
 def test_decode_forward_knobs_replace_the_planned_ones(monkeypatch):
     wrapper, calls = _decode_capturing(monkeypatch, planned=_inputs())
     wrapper._plan_call, wrapper._tensor_cores = (None, False), None
-    wrapper._plan = type("P", (), {"sm_scale": 128 ** -0.5, "soft_cap": 0.0})()
+    wrapper._plan = SimpleNamespace(sm_scale=128 ** -0.5, soft_cap=0.0, scales=(2.0, 1.0), params=SimpleNamespace())
     wrapper._apply_call_knobs(pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, sm_scale=0.5,
                               rope_scale=None, rope_theta=None)
     assert calls == [] and wrapper._plan.sm_scale == 0.5  # a run-time scalar: no new plan
+    # the kernel's scale follows at once, with the last run's q_scale still folded in
+    assert wrapper._plan.params.score_scale == score_scales(0.5 * 2.0, 0.0)[0]
     wrapper._apply_call_knobs(pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=30.0, sm_scale=None,
                               rope_scale=None, rope_theta=None)
     assert len(calls) == 1 and calls[0][0].logits_soft_cap == 30.0 and calls[0][0].sm_scale is None
