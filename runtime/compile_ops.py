@@ -24,8 +24,9 @@ Conventions of the ops (namespace `attnforge`):
   q.shape[:-1], float32. This holds for every entry point (decode q [batch, heads, dim], prefill
   q [tokens, heads, dim], single decode q [heads, dim]).
 
-The functions without a leading underscore below run while Dynamo traces: they only read
-metadata, pick the op and call it.
+`batch_run`, `single_decode` and `single_prefill` are what the entry points call while Dynamo
+traces: they only read metadata, pick the op and call it. The op definitions are private; use
+them as `torch.ops.attnforge.<name>`.
 """
 
 import itertools
@@ -261,13 +262,13 @@ def single_prefill(q, k, v, scale_q, scale_k, scale_v, o_dtype, custom_mask, pac
 # graph computes exactly eager's numbers (Inductor would fuse and reorder the fp32 math) and so a
 # CUDA merge kernel can replace them without touching any caller.
 @torch.library.custom_op("attnforge::merge_state", mutates_args=())
-def merge_state(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor) -> tuple[Tensor, Tensor]:
+def _merge_state(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor) -> tuple[Tensor, Tensor]:
     from . import merge
 
     return merge.merge_state(v_a, s_a, v_b, s_b)
 
 
-@merge_state.register_fake
+@_merge_state.register_fake
 def _(v_a, s_a, v_b, s_b):
     from . import merge
 
@@ -276,13 +277,13 @@ def _(v_a, s_a, v_b, s_b):
 
 
 @torch.library.custom_op("attnforge::merge_states", mutates_args=())
-def merge_states(v: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+def _merge_states(v: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     from . import merge
 
     return merge.merge_states(v, s)
 
 
-@merge_states.register_fake
+@_merge_states.register_fake
 def _(v, s):
     from . import merge
 
@@ -292,12 +293,12 @@ def _(v, s):
 
 
 @torch.library.custom_op("attnforge::merge_state_in_place", mutates_args=("v", "s"))
-def merge_state_in_place(v: Tensor, s: Tensor, v_other: Tensor, s_other: Tensor, mask: Optional[Tensor]) -> None:
+def _merge_state_in_place(v: Tensor, s: Tensor, v_other: Tensor, s_other: Tensor, mask: Optional[Tensor]) -> None:
     from . import cascade
 
     cascade.merge_state_in_place(v, s, v_other, s_other, mask)
 
 
-@merge_state_in_place.register_fake
+@_merge_state_in_place.register_fake
 def _(v, s, v_other, s_other, mask):
     return None
