@@ -90,12 +90,13 @@ def test_fake_ragged_prefill_takes_the_planned_output_dtype():
     assert _shapes(outputs) == [((21, HQ, 64), BF16), ((21, HQ), F32)]
 
 
-def test_fake_out_variant_returns_nothing():
+@pytest.mark.parametrize("family", ["decode", "prefill_paged", "prefill_ragged"])
+def test_fake_out_variants_return_nothing(family):
     with FakeTensorMode():
         q = torch.empty(21, HQ, 128, dtype=BF16)
-        k = torch.empty(40, HKV, 128, dtype=BF16)
+        k = torch.empty(40, HKV, 128, dtype=BF16) if family == "prefill_ragged" else _paged()
         out, lse = torch.empty(21, HQ, 128, dtype=BF16), torch.empty(21, HQ)
-        assert _op("batch_prefill_ragged_run_out")(1, q, k, k, [], *NO_SCALES, *NO_EXTRAS, out, lse) is None
+        assert _op(f"batch_{family}_run_out")(1, q, k, k, [], *NO_SCALES, *NO_EXTRAS, out, lse) is None
 
 
 @pytest.mark.parametrize("return_lse, lse_shape", [(True, (HQ,)), (False, (0,))])
