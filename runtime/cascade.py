@@ -1,12 +1,14 @@
 """attnforge.cascade: FlashInfer's state-merging functions at FlashInfer's path.
 
 merge_state and merge_states are attnforge.merge's (base-2 LSE, exact, sync-free);
-merge_state_in_place merges a second state into the first's tensors, for rows a mask selects.
+merge_state_in_place merges a second state into the first's tensors, for rows a mask selects;
+under torch.compile it is the custom op attnforge::merge_state_in_place (runtime/compile_ops.py).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
 from .merge import _check_pair, merge_state, merge_states
 
@@ -18,6 +20,9 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     """Merge the state (v_other, s_other) into (v, s), in place: v [seq, heads, D] keeps its dtype,
     s [seq, heads] must be float32 (it receives the merged base-2 LSE). mask: bool [seq] on v's
     device; rows where it is False keep their state. No host synchronisation."""
+    if is_compiling():
+        torch.ops.attnforge.merge_state_in_place(v, s, v_other, s_other, mask)
+        return
     _check_pair("v", v, "s", s, v_dims=3)
     _check_pair("v_other", v_other, "s_other", s_other, v_dims=3)
     if v_other.shape != v.shape or v_other.device != v.device:

@@ -4,7 +4,8 @@ plan() validates the page table, derives the kernel spec from its arguments (bui
 on first use), schedules on the host through the module's C++ planner, and has the module upload
 the plan with one asynchronous copy. run() checks its tensors' metadata, patches their pointers
 into the parameter struct built by plan(), and launches on the caller's current stream: it never
-waits for the GPU, so it can be captured in a CUDA graph.
+waits for the GPU, so it can be captured in a CUDA graph. While torch.compile traces, run() and
+single_decode_with_kv_cache are custom ops instead (runtime/compile_ops.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.compiler import is_compiling
 
 from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
 from attnforge.codegen.dtypes import DType
 from attnforge.codegen.spec import PosEncoding
 
-from . import call_knobs, checks, dispatch, kv_cache
+from . import call_knobs, checks, compile_ops, dispatch, kv_cache
 from .loader import Module, load
 from .run_args import Accepted, checked_paged
 from .plan_buffers import cuda_index, current_stream, lse_output, num_sms, output, score_scales, split_tokens
@@ -194,6 +196,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._upload_done: torch.cuda.Event | None = None  # recorded by the module after each upload
         self._plan: _Plan | None = None
         self._debug = settings().debug  # ATTNFORGE_DEBUG, read once per wrapper
+        self._handle = compile_ops.register(self)  # how a torch.compile graph names this wrapper
         # use_tensor_cores: decode runs on the prefill kernels, one query row per request with the
         # GQA group packed into the tile's rows (FlashInfer's tensor-core decode).
         self._tensor_cores = None
@@ -423,6 +426,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             refuse_run_extras(skip_softmax_threshold_scale_factor, kv_cache_sf)
         if q_len_per_req is not None:
             self._check_run_q_len(q_len_per_req)
+        if is_compiling():
+            return compile_ops.batch_run("batch_decode", self, self._planned_o_dtype(), q, paged_kv_cache, args,
+                                         q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left,
+                                         sinks)
         if self._tensor_cores is not None:
             return self._tensor_cores.run(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                           out=out, lse=lse, return_lse=return_lse, enable_pdl=enable_pdl,
@@ -487,6 +494,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_len_per_req != planned:
             raise ValueError(f"q_len_per_req: plan() was given {planned}, run() {q_len_per_req!r}; pass it to plan() "
                              "(q holds batch_size * q_len_per_req rows)")
+
+    def _planned_o_dtype(self) -> torch.dtype:
+        """The output dtype plan() chose (read while torch.compile traces run())."""
+        plan = (self._tensor_cores if self._tensor_cores is not None else self)._plan
+        if plan is None:
+            raise RuntimeError("run() called before plan(): call plan() with the batch's page table first")
+        return plan.dtype_o
 
     def run_return_lse(self, q: torch.Tensor, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
@@ -560,6 +574,10 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     Runs the batch kernel with the KV viewed as kv_len pages of one token, so split-KV spreads a
     long context over the whole GPU."""
+    if is_compiling():
+        return compile_ops.single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale,
+                                         v_scale, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                                         return_lse)
     for name, x, dims in (("q", q, 2), ("k", k, 3), ("v", v, 3)):
         checks.tensor(x, name)
         if x.dim() != dims:

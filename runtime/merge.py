@@ -8,12 +8,16 @@ Math (fp32): M = max_i s_i, w_i = 2^(s_i - M), v = sum_i w_i v_i / sum_i w_i,
 s = M + log2(sum_i w_i). A state with s = -inf is empty and has weight 0 (its v is
 ignored, even if it is NaN); merging only empty states gives v = 0 and s = -inf.
 
-Pure tensor ops with no host synchronisation, so both functions run inside CUDA graphs.
+Pure tensor ops with no host synchronisation, so both functions run inside CUDA graphs. Under
+torch.compile both are the custom ops attnforge::merge_state(s) (runtime/compile_ops.py).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
+
+from . import compile_ops
 
 __all__ = ["merge_state", "merge_states"]
 
@@ -49,7 +53,9 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     v [seq, num_states, heads, D] (any float dtype), s [seq, num_states, heads] (base-2 LSE).
     Returns (v [seq, heads, D] in v's dtype, s [seq, heads] fp32).
     """
-    _check_pair("v", v, "s", s, v_dims=4)
+    if is_compiling():
+        return torch.ops.attnforge.merge_states(v, s)
+    check_states(v, s)
     seq, num_states, heads, head_dim = v.shape
     if num_states == 0:  # the merge of nothing is the empty state
         return v.new_zeros(seq, heads, head_dim), torch.full(
@@ -75,6 +81,21 @@ def merge_state(
 
     Returns (v [seq, heads, D] in v_a's dtype, s [seq, heads] fp32).
     """
+    if is_compiling():
+        return torch.ops.attnforge.merge_state(v_a, s_a, v_b, s_b)
+    check_merge_state(v_a, s_a, v_b, s_b)
+    v = torch.stack([v_a, v_b], dim=1)
+    s = torch.stack([s_a.float(), s_b.float()], dim=1)
+    return merge_states(v, s)
+
+
+def check_states(v: torch.Tensor, s: torch.Tensor) -> None:
+    """merge_states' argument checks (metadata only, so the fake op runs them too)."""
+    _check_pair("v", v, "s", s, v_dims=4)
+
+
+def check_merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor) -> None:
+    """merge_state's argument checks (metadata only, so the fake op runs them too)."""
     _check_pair("v_a", v_a, "s_a", s_a, v_dims=3)
     _check_pair("v_b", v_b, "s_b", s_b, v_dims=3)
     if _shape(v_b) != _shape(v_a):
@@ -83,6 +104,3 @@ def merge_state(
         raise ValueError(f"v_b is on {v_b.device} but v_a is on {v_a.device}")
     if v_b.dtype != v_a.dtype:
         raise ValueError(f"v_b must have v_a's dtype {v_a.dtype}, got {v_b.dtype}")
-    v = torch.stack([v_a, v_b], dim=1)
-    s = torch.stack([s_a.float(), s_b.float()], dim=1)
-    return merge_states(v, s)

@@ -5,7 +5,8 @@ plan() validates the index arrays on the host, derives the kernel spec (building
 first use), schedules (request, q tile, kv chunk) work items through the module's C++ planner and
 uploads the plan with one asynchronous copy: the steps of prefill_plan_steps, called in order.
 run() checks tensor metadata, patches pointers into the parameter struct and launches on the
-caller's current stream without waiting for the GPU.
+caller's current stream without waiting for the GPU. While torch.compile traces, run() and
+single_prefill_with_kv_cache are custom ops instead (runtime/compile_ops.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.compiler import is_compiling
 
 from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
 
-from . import call_knobs, checks, dispatch, kv_cache
+from . import call_knobs, checks, compile_ops, dispatch, kv_cache
 from .loader import Module
 from .run_args import Accepted, checked_paged
 from .plan_buffers import PlanImage, cuda_index, current_stream, float_workspace, lse_output, output, score_scales
@@ -99,6 +101,7 @@ class _BatchPrefillWrapper:
         # Set by the tensor-core decode wrapper, whose plans have one query token per request: a
         # CUDA-graph replay keeps the kernel it captured, so only such a wrapper may promise it.
         self._decode_plans = False
+        self._handle = compile_ops.register(self)  # how a torch.compile graph names this wrapper
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -313,6 +316,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
             _refuse_run(lse_base=lse_base, lse_layout=lse_layout, kv_cache_sf=kv_cache_sf,
                         skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                         use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
+        if is_compiling():
+            return compile_ops.batch_run("batch_prefill_paged", self, plan.dtype_o, q, paged_kv_cache, args, q_scale,
+                                         k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
         if enable_pdl or window_left is not None or sinks is not None:
             checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
         cache = plan.accepted.paged(paged_kv_cache, self._check_cache)
@@ -396,6 +402,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         plan = self._require_plan()
         if (lse_base, lse_layout) != ("log2", "NH") or kv_cache_sf is not None or o_scale not in (None, 1.0):
             _refuse_run(lse_base=lse_base, lse_layout=lse_layout, kv_cache_sf=kv_cache_sf, o_scale=o_scale)
+        if is_compiling():
+            return compile_ops.batch_run("batch_prefill_ragged", self, plan.dtype_o, q, (k, v), args, q_scale,
+                                         k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
         checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
         kv_cache.check_ragged(k, v, self._kv_layout, plan.total_kv, plan.num_kv_heads, plan.head_dim_qk,
                               plan.head_dim_vo, plan.dtype_kv, self._device)
@@ -445,6 +454,11 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     scale_q/scale_k/scale_v are the fp8 query path's scales (run()'s q_scale/k_scale/v_scale);
     k_scale and v_scale are FlashInfer's float calibration scales of a quantized KV: k_scale
     multiplies sm_scale, v_scale the output."""
+    if is_compiling():
+        return compile_ops.single_prefill(q, k, v, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask,
+                                          causal, kv_layout, pos_encoding_mode, use_fp16_qk_reduction, sm_scale,
+                                          window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse,
+                                          kv_cache_sf, k_scale, v_scale)
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(x, name)
         if x.dim() != 3:
