@@ -383,7 +383,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             enable_pdl: bool | None = None, window_left: int | None = None, sinks=None, q_len_per_req: int | None = None,
             skip_softmax_threshold_scale_factor: float | None = None, kv_cache_sf=None):
         """Attention of q [batch, num_qo_heads, head_dim] over the planned pages of paged_kv_cache.
-        Returns o (planned o dtype), or (o, lse) with lse [batch, num_qo_heads] fp32 base 2."""
+        Returns o (planned o dtype), or (o, lse) with lse [batch, num_qo_heads] fp32 base 2.
+        enable_pdl: launch with programmatic dependent launch (None: where the device is sm90+;
+        True on an older device is off, as in FlashInfer)."""
         if q_len_per_req not in (None, 1) or skip_softmax_threshold_scale_factor is not None or kv_cache_sf is not None:
             refuse_run_extras(q_len_per_req, skip_softmax_threshold_scale_factor, kv_cache_sf)
         if self._tensor_cores is not None:
@@ -426,7 +428,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"paged_kv_cache: k and v caches must have equal strides, got {tuple(k_cache.stride())} "
                              f"and {tuple(v_cache.stride())}")
         params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = stride_page, stride_token, stride_head
-        stream = current_stream(cuda_index(self._device))
+        device_index = cuda_index(self._device)
+        params.enable_pdl = dispatch.pdl_flag(enable_pdl, device_index)
+        stream = current_stream(device_index)
         plan.module.check(plan.module.fns["decode_run"](ctypes.byref(params), stream), "decode run")
         if params.debug_sync:
             self._raise_kernel_errors()

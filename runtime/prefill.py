@@ -146,7 +146,8 @@ class _BatchPrefillWrapper:
 
     # ------------------------------------------------------------------ run
     def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_strides: tuple, v_strides: tuple,
-                num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool) -> object:
+                num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool,
+                enable_pdl: bool | None) -> object:
         plan = self._plan
         fp8_query = dispatch.to_dtype(plan.dtype_q, "q_data_type").is_fp8
         q_scale, k_scale, v_scale = checks.positional_scales(args, fp8_query, q_scale, k_scale, v_scale)
@@ -172,7 +173,9 @@ class _BatchPrefillWrapper:
         params.v_stride_page, params.v_stride_token, params.v_stride_head = v_strides
         params.num_pages = num_pages
         params.q_tokens = q.shape[0]
-        stream = current_stream(cuda_index(self._device))
+        device_index = cuda_index(self._device)
+        params.enable_pdl = dispatch.pdl_flag(enable_pdl, device_index)
+        stream = current_stream(device_index)
         plan.module.check(plan.module.fns["prefill_run"](ctypes.byref(params), stream), "prefill run")
         if params.debug_sync and self._image.read_slot(PLAN_HEADER.index("error")) & PLAN_ERROR_BAD_PAGE:
             raise RuntimeError(f"{plan.module.spec.uri}: {plan.module.spec.backend.value}::prefill_kernel read a page id "
@@ -285,7 +288,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
             skip_softmax_threshold_scale_factor: float | None = None, use_fp16_softmax: bool | None = None,
             uses_spcompress: bool | None = None):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over the planned pages. Returns o,
-        or (o, lse) with lse [qo_indptr[-1], num_qo_heads] fp32 base 2."""
+        or (o, lse) with lse [qo_indptr[-1], num_qo_heads] fp32 base 2. enable_pdl: programmatic
+        dependent launch (None: where the device is sm90+; True on an older device is off)."""
         plan = self._require_plan()
         if (lse_base, lse_layout) != ("log2", "NH") or kv_cache_sf is not None or use_fp16_softmax or \
                 skip_softmax_threshold_scale_factor is not None or uses_spcompress:
@@ -306,7 +310,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
                              f"{strides} and {kv_cache.paged_strides(v_cache, self._kv_layout)}; with head_dim_vo < "
                              "head_dim_qk store V in pages of K's shape and pass v_cache[..., :head_dim_vo]")
         return self._launch(q, k_cache, v_cache, strides, strides, num_pages, args, q_scale, k_scale, v_scale, out,
-                            lse, return_lse)
+                            lse, return_lse, enable_pdl)
 
     def run_return_lse(self, q: torch.Tensor, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
@@ -373,7 +377,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
             return_lse: bool = False, lse_base: str = "log2", lse_layout: str = "NH", enable_pdl: bool | None = None,
             kv_cache_sf=None, window_left: int | None = None, sinks=None):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over k [kv_indptr[-1], num_kv_heads,
-        head_dim_qk] and v [..., head_dim_vo] (NHD; HND puts heads first)."""
+        head_dim_qk] and v [..., head_dim_vo] (NHD; HND puts heads first). enable_pdl as in the paged
+        wrapper's run()."""
         plan = self._require_plan()
         if (lse_base, lse_layout) != ("log2", "NH") or kv_cache_sf is not None or o_scale not in (None, 1.0):
             _refuse_run(lse_base=lse_base, lse_layout=lse_layout, kv_cache_sf=kv_cache_sf, o_scale=o_scale)
@@ -384,7 +389,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         v_token, v_head = kv_cache.ragged_strides(v, self._kv_layout)
         # A ragged cache is a paged one of one-token pages: num_pages carries its rows (fa3 boxes them by TMA).
         return self._launch(q, k, v, (0, k_token, k_head), (0, v_token, v_head), plan.total_kv, args, q_scale, k_scale,
-                            v_scale, out, lse, return_lse)
+                            v_scale, out, lse, return_lse, enable_pdl)
 
     def run_return_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs):
         return self.run(q, k, v, *args, return_lse=True, **kwargs)
