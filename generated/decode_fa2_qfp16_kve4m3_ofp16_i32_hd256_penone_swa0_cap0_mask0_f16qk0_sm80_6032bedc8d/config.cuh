@@ -60,7 +60,7 @@ struct DecodeParams {
   int32_t run_merge;  // 1 when some request is split and the merge kernel must run
   int32_t device;  // CUDA device that holds the tensors
   int32_t debug_sync;  // 1: synchronize and check after every kernel
-  int32_t enable_pdl;  // 1: launch with programmatic dependent launch (sm90+): a kernel may start while the one before it finishes
+  int32_t enable_pdl;  // 1: programmatic dependent launch (sm90+): a kernel may start as the one before it ends
   float score_scale;  // multiplies q.k: sm_scale*log2(e), or sm_scale/soft_cap with a soft cap
   float post_scale;  // soft cap only: cap*log2(e), applied after tanh
 };

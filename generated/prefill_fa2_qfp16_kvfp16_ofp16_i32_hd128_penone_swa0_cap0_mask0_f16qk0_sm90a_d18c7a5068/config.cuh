@@ -85,7 +85,7 @@ struct PrefillParams {
   int32_t run_merge;  // 1 when some request is split and the merge kernel must run
   int32_t device;  // CUDA device that holds the tensors
   int32_t debug_sync;  // 1: synchronize and check after every kernel
-  int32_t enable_pdl;  // 1: launch with programmatic dependent launch (sm90+): a kernel may start while the one before it finishes
+  int32_t enable_pdl;  // 1: programmatic dependent launch (sm90+): a kernel may start as the one before it ends
   int32_t q_scale_stride;  // 1: q_scale[head]; 0: q_scale[0] for every head
   int32_t k_scale_stride;  // 1: k_scale[kv head]; 0: k_scale[0] for every head
   int32_t v_scale_stride;  // 1: v_scale[kv head]; 0: v_scale[0] for every head
