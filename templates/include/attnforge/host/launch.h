@@ -18,14 +18,14 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
                           bool pdl, Args&&... args) {
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   config.attrs = &attribute;
-  config.numAttrs = 1;
+  config.numAttrs = pdl ? 1 : 0;  // without PDL: a plain launch, as <<<>>> (and on any device)
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
