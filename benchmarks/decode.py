@@ -1,7 +1,7 @@
 """Batch decode benchmark: attnforge vs the copy bandwidth and torch SDPA, same run.
 
     python -m attnforge.benchmarks.decode [--batch 1 16 64 256] [--kv-len 1024 4096 16384]
-        [--kv-dtype bf16 e4m3 e5m2] [--out F.json]
+        [--kv-dtype bf16 e4m3 e5m2] [--no-pdl] [--pdl-runs 32] [--out F.json]
 
 Shape (the acceptance config): bf16 q, 32 query / 8 kv heads, head_dim 128, page size 16,
 every request of the batch kv_len tokens long, pages scattered over the pool at random. The KV
@@ -15,6 +15,10 @@ a 512 MB buffer between calls, outside the timed region). GB/s counts the bytes 
 must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy bandwidth is a ~4 GB device-to-device tensor copy
 in the same process, counting read + write bytes. The SDPA peers get a dense bf16
 [B, Hkv, L, D] cache holding the same contents as the paged one; they run on the bf16 rows only.
+
+PDL (programmatic dependent launch, skipped with --no-pdl): CUDA graphs of --pdl-runs back-to-back
+run() calls with enable_pdl False vs True, µs per run and the speed-up; decode at batch 64 x kv 1024
+and 4096 on CUDA cores and tensor cores, prefill 16 x 1024 fa3 (see benchmarks/_pdl.py).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from . import _overhead, _record
+from . import _overhead, _pdl, _record
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
@@ -58,6 +62,9 @@ def parse_args(argv):
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")
     p.add_argument("--no-overhead", action="store_true", help="skip the run() host-overhead measurement")
+    p.add_argument("--no-pdl", action="store_true", help="skip the PDL (programmatic dependent launch) case")
+    p.add_argument("--pdl-runs", type=int, default=_pdl.RUNS,
+                   help=f"back-to-back runs per CUDA graph in the PDL case (default {_pdl.RUNS})")
     _record.add_out_option(p)
     return p.parse_args(argv)
 
@@ -338,12 +345,16 @@ def config(args) -> dict:
                 head_dim=HEAD_DIM, page_size=PAGE_SIZE, layout=args.layout, iters=args.iters, warmup=args.warmup,
                 settle_s=SETTLE_SECONDS, l2_flush=args.flush_l2, timer="CUDA events per call, median",
                 bytes="q + K + V + o", copy="4 GiB D2D copy, read + write",
-                peers="torch SDPA cuDNN and FLASH on a dense bf16 cache", plan_kv_len=PLAN_KV_LEN)
+                peers="torch SDPA cuDNN and FLASH on a dense bf16 cache", plan_kv_len=PLAN_KV_LEN,
+                pdl=None if args.no_pdl else _pdl.config(args))
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.pdl_runs < 1:
+        print("attnforge bench decode: --pdl-runs must be at least 1", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("attnforge bench decode: needs a CUDA device", file=sys.stderr)
         return 2
@@ -372,17 +383,21 @@ def main(argv=None) -> int:
         if r.kv_dtype != "bf16" and (r.batch, r.kv_len) in bf16_us:
             r.speedup_vs_bf16_kv = bf16_us[(r.batch, r.kv_len)] / r.us
     plans = {} if args.no_plan else {b: plan_host_us(b, args.layout) for b in PLAN_BATCHES}
+    pdl = [] if args.no_pdl else _pdl.decode_rows(args) + _pdl.prefill_rows(args)
 
     overhead, overhead_note = ([], "") if args.no_overhead else overhead_rows(args.layout)
 
     print(markdown(rows, copy_gbps, plans, first_call_s))
     if overhead:
         print("\n".join(overhead_markdown(overhead, overhead_note)))
+    if pdl:
+        print("\nPDL: " + _pdl.config(args)["method"] + "\n\n" + _pdl.markdown(pdl))
     if args.out:
         _record.write(args.out, "decode", argv, config(args), tables=dict(
             decode=[asdict(r) for r in rows],
             plan=[dict(batch=b, kv_len=PLAN_KV_LEN, calls=PLAN_CALLS, us=us) for b, us in plans.items()],
             check=checks, overhead=overhead,
+            pdl=[asdict(r) for r in pdl],
         ), copy_bandwidth_gbps=copy_gbps, first_plan_run_s=first_call_s, overhead_note=overhead_note)
     return 0
 

@@ -120,6 +120,8 @@ def decode_section(runs: dict[str, Run]) -> list[str]:
     parts = []
     if "decode" in runs:
         parts.append(decode_table(runs["decode"]))
+        if runs["decode"].table("pdl"):
+            parts.append(pdl_table(runs["decode"]))
     if "prefill" in runs and runs["prefill"].table("tensor_core_decode"):
         parts.append(tensor_core_table(runs["prefill"]))
     return [line for i, part in enumerate(parts) for line in [""] * (i > 0) + part]
@@ -166,6 +168,21 @@ def overhead_lines(run: Run) -> list[str]:
             for r in rows]
     return lines + table(["library", "decode path", "eager (µs)", "graph replay (µs)", "overhead (µs)",
                           "host clock (µs)"], body, left=2)
+
+
+def pdl_table(run: Run) -> list[str]:
+    """bench decode's PDL case: graphs of back-to-back runs without and with programmatic dependent launch."""
+    c, rows = run["config"]["pdl"], run.table("pdl")
+    lines = [run_line(run), "",
+             f"Programmatic dependent launch (`enable_pdl`): {c['method']}. Decode batch {c['decode_batch']}, "
+             f"bf16, {run['config']['num_qo_heads']} q / {run['config']['num_kv_heads']} kv heads, hd "
+             f"{run['config']['head_dim']}, page {run['config']['page_size']}; prefill {c['prefill_batch']} x "
+             f"{c['prefill_len']}" + (" causal" if c["prefill_causal"] else "") + ". Speed-up: µs per run without "
+             "PDL over with it.", ""]
+    header = ["kind", "path", "batch", "kv len", "no PDL (µs/run)", "PDL (µs/run)", "speed-up"]
+    body = [[r["kind"], r["path"].replace("_", " "), str(r["batch"]), str(r["kv_len"]), num(r["off_us"], ".2f"),
+             num(r["on_us"], ".2f"), faster(r["on_us"], r["off_us"], ".3f", times=True)] for r in rows]
+    return lines + table(header, body, left=2) + notes(rows, lambda r: f"{r['kind']} {r['path']} {r['kv_len']}")
 
 
 def tensor_core_table(run: Run) -> list[str]:

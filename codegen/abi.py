@@ -88,6 +88,7 @@ DECODE_PARAMS = _struct(
     ("run_merge", "int32_t", "1 when some request is split and the merge kernel must run"),
     ("device", "int32_t", "CUDA device that holds the tensors"),
     ("debug_sync", "int32_t", "1: synchronize and check after every kernel"),
+    ("enable_pdl", "int32_t", "1: programmatic dependent launch (sm90+): a kernel may start as the one before it ends"),
     ("score_scale", "float", "multiplies q.k: sm_scale*log2(e), or sm_scale/soft_cap with a soft cap"),
     ("post_scale", "float", "soft cap only: cap*log2(e), applied after tanh"),
 )
@@ -231,6 +232,7 @@ PREFILL_PARAMS = _struct(
     ("run_merge", "int32_t", "1 when some request is split and the merge kernel must run"),
     ("device", "int32_t", "CUDA device that holds the tensors"),
     ("debug_sync", "int32_t", "1: synchronize and check after every kernel"),
+    ("enable_pdl", "int32_t", "1: programmatic dependent launch (sm90+): a kernel may start as the one before it ends"),
     ("q_scale_stride", "int32_t", "1: q_scale[head]; 0: q_scale[0] for every head"),
     ("k_scale_stride", "int32_t", "1: k_scale[kv head]; 0: k_scale[0] for every head"),
     ("v_scale_stride", "int32_t", "1: v_scale[kv head]; 0: v_scale[0] for every head"),

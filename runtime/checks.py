@@ -100,10 +100,14 @@ def split_size(value) -> None:
 
 
 def run_extras(planned_window_left: int, enable_pdl, window_left, sinks, kernel: str) -> None:
-    """run() arguments FlashInfer has and these kernels do not: sinks and PDL are refused, and a
-    window may only repeat the planned one (the plan cut the kv ranges to it)."""
-    if sinks is not None or enable_pdl:
-        raise ValueError(f"run(): attention sinks and PDL are not supported by {kernel}")
+    """run() arguments FlashInfer has that need a check here: enable_pdl is True, False or None
+    (dispatch.pdl_flag reads it), sinks are refused, and a window may only repeat the planned one
+    (the plan cut the kv ranges to it)."""
+    if enable_pdl is not None and enable_pdl not in (True, False):
+        raise ValueError(f"enable_pdl: expected True, False or None (on where the device supports PDL), got "
+                         f"{enable_pdl!r}")
+    if sinks is not None:
+        raise ValueError(f"run(): attention sinks are not supported by {kernel}")
     if window_left is not None and window_left != planned_window_left:
         raise ValueError(f"window_left: plan() was called with {planned_window_left}, run() got {window_left}; "
                          "plan again to change the window")

@@ -421,7 +421,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             enable_pdl: bool | None = None, window_left: int | None = None, sinks=None, q_len_per_req: int | None = None,
             skip_softmax_threshold_scale_factor: float | None = None, kv_cache_sf=None):
         """Attention of q [batch, num_qo_heads, head_dim] over the planned pages of paged_kv_cache.
-        Returns o (planned o dtype), or (o, lse) with lse [batch, num_qo_heads] fp32 base 2."""
+        Returns o (planned o dtype), or (o, lse) with lse [batch, num_qo_heads] fp32 base 2.
+        enable_pdl: launch with programmatic dependent launch (None: where the device is sm90+;
+        True on an older device is off, as in FlashInfer)."""
         if skip_softmax_threshold_scale_factor is not None or kv_cache_sf is not None:
             refuse_run_extras(skip_softmax_threshold_scale_factor, kv_cache_sf)
         if q_len_per_req is not None:
@@ -442,7 +444,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             q_scale, k_scale, v_scale = checks.positional_scales(args, False, q_scale, k_scale, v_scale)
             q_scale, k_scale = checks.scale(q_scale, "q_scale"), checks.scale(k_scale, "k_scale")
             v_scale = checks.scale(v_scale, "v_scale")
-        if enable_pdl or window_left is not None or sinks is not None:
+        if enable_pdl is not None or window_left is not None or sinks is not None:
             checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the decode kernel")
         accepted = plan.accepted
         if not accepted.known(q):
@@ -467,6 +469,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         params.o_stride_n, params.o_stride_h = out.stride(0), out.stride(1)
         params.num_pages = cache.num_pages
         params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = cache.strides
+        params.enable_pdl = dispatch.pdl_flag(enable_pdl, self._device_index)
         plan.module.check(plan.module.fns["decode_run"](ctypes.byref(params), current_stream(self._device_index)),
                           "decode run")
         if params.debug_sync:

@@ -65,6 +65,20 @@ def device_archs(device_index: int) -> tuple[Arch, ...]:
     return (arch,)
 
 
+@functools.cache
+def device_has_pdl(device_index: int) -> bool:
+    """Programmatic dependent launch needs sm90 or newer (FlashInfer's device_support_pdl)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_flag(enable_pdl: bool | None, device_index: int) -> int:
+    """run()'s enable_pdl as the params' flag. FlashInfer's meaning: None is on where the device
+    has PDL; True is a request, honoured only there ("only effective on devices that support PDL"),
+    so on an older device it is off without an error. The kernels wait for their predecessor before
+    touching memory either way, so the flag never changes a result."""
+    return int((enable_pdl is None or bool(enable_pdl)) and device_has_pdl(device_index))
+
+
 def parse_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")

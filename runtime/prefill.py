@@ -154,7 +154,8 @@ class _BatchPrefillWrapper:
 
     # ------------------------------------------------------------------ run
     def _launch(self, q: torch.Tensor, k_ptr: int, v_ptr: int, k_strides: tuple, v_strides: tuple,
-                num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool) -> object:
+                num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool,
+                enable_pdl: bool | None) -> object:
         plan = self._plan
         accepted = plan.accepted
         if args or plan.fp8_query or q_scale is not None or k_scale is not None or v_scale is not None:
@@ -188,6 +189,7 @@ class _BatchPrefillWrapper:
         params.v_stride_page, params.v_stride_token, params.v_stride_head = v_strides
         params.num_pages = num_pages
         params.q_tokens = q.shape[0]
+        params.enable_pdl = dispatch.pdl_flag(enable_pdl, self._device_index)
         stream = current_stream(self._device_index)
         plan.module.check(plan.module.fns["prefill_run"](ctypes.byref(params), stream), "prefill run")
         if params.debug_sync and self._image.read_slot(PLAN_HEADER.index("error")) & PLAN_ERROR_BAD_PAGE:
@@ -309,7 +311,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
             skip_softmax_threshold_scale_factor: float | None = None, use_fp16_softmax: bool | None = None,
             uses_spcompress: bool | None = None):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over the planned pages. Returns o,
-        or (o, lse) with lse [qo_indptr[-1], num_qo_heads] fp32 base 2."""
+        or (o, lse) with lse [qo_indptr[-1], num_qo_heads] fp32 base 2. enable_pdl: programmatic
+        dependent launch (None: where the device is sm90+; True on an older device is off)."""
         plan = self._require_plan()
         if (lse_base, lse_layout) != ("log2", "NH") or kv_cache_sf is not None or use_fp16_softmax or \
                 skip_softmax_threshold_scale_factor is not None or uses_spcompress:
@@ -319,14 +322,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         if is_compiling():
             return compile_ops.batch_run("batch_prefill_paged", self, plan.dtype_o, q, paged_kv_cache, args, q_scale,
                                          k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
-        if enable_pdl or window_left is not None or sinks is not None:
+        if enable_pdl is not None or window_left is not None or sinks is not None:
             checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
         cache = plan.accepted.paged(paged_kv_cache, self._check_cache)
         if plan.host_max_page is not None and plan.host_max_page >= cache.num_pages:
             raise ValueError(f"paged_kv_indices: page id {plan.host_max_page} is out of range for a cache of "
                              f"{cache.num_pages} pages")
         return self._launch(q, cache.k_ptr, cache.v_ptr, cache.strides, cache.strides, cache.num_pages, args, q_scale,
-                            k_scale, v_scale, out, lse, return_lse)
+                            k_scale, v_scale, out, lse, return_lse, enable_pdl)
 
     def _check_cache(self, paged_kv_cache):
         plan = self._plan
@@ -398,7 +401,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
             return_lse: bool = False, lse_base: str = "log2", lse_layout: str = "NH", enable_pdl: bool | None = None,
             kv_cache_sf=None, window_left: int | None = None, sinks=None):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over k [kv_indptr[-1], num_kv_heads,
-        head_dim_qk] and v [..., head_dim_vo] (NHD; HND puts heads first)."""
+        head_dim_qk] and v [..., head_dim_vo] (NHD; HND puts heads first). enable_pdl as in the paged
+        wrapper's run()."""
         plan = self._require_plan()
         if (lse_base, lse_layout) != ("log2", "NH") or kv_cache_sf is not None or o_scale not in (None, 1.0):
             _refuse_run(lse_base=lse_base, lse_layout=lse_layout, kv_cache_sf=kv_cache_sf, o_scale=o_scale)
@@ -412,7 +416,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         v_token, v_head = kv_cache.ragged_strides(v, self._kv_layout)
         # A ragged cache is a paged one of one-token pages: num_pages carries its rows (fa3 boxes them by TMA).
         return self._launch(q, k.data_ptr(), v.data_ptr(), (0, k_token, k_head), (0, v_token, v_head), plan.total_kv,
-                            args, q_scale, k_scale, v_scale, out, lse, return_lse)
+                            args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl)
 
     def run_return_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs):
         return self.run(q, k, v, *args, return_lse=True, **kwargs)

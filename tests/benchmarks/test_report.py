@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 
-from attnforge.benchmarks import _record, build, decode, fp8, prefill, report
+from attnforge.benchmarks import _pdl, _record, build, decode, fp8, prefill, report
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -22,7 +22,9 @@ HEADS = {"128": dict(num_qo_heads=32, num_kv_heads=8), "256": dict(num_qo_heads=
 DECODE = {
     **header("decode"),
     "config": dict(dtype="bf16", num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, layout="NHD",
-                   bytes="q + K + V + o", copy="4 GiB D2D copy, read + write"),
+                   bytes="q + K + V + o", copy="4 GiB D2D copy, read + write",
+                   pdl=dict(runs=32, decode_batch=64, decode_kv_lens=[1024, 4096], prefill_batch=16, prefill_len=1024,
+                            prefill_causal=True, method="one CUDA graph of 32 back-to-back run() calls")),
     "copy_bandwidth_gbps": 4273.4,
     "tables": {
         "decode": [
@@ -39,6 +41,10 @@ DECODE = {
                           overhead_us=12.5, host_us=20.1),
                      dict(library="flashinfer", path="tensor cores", batch=1, kv_len=1024, eager_us=30.0,
                           graph_us=10.0, overhead_us=20.0, host_us=28.7)],
+        "pdl": [dict(kind="decode", path="cuda_cores", batch=64, kv_len=1024, runs=32, off_us=20.0, on_us=16.0,
+                     speedup=1.25, notes=""),
+                dict(kind="prefill", path="fa3 paged", batch=16, kv_len=1024, runs=32, off_us=400.0, on_us=390.0,
+                     speedup=400.0 / 390.0, notes="outputs with and without PDL differ")],
     },
 }
 PREFILL_ROW = dict(batch=4, length=4096, head_dim=128, causal=False, paged_tflops=320.0, ragged_tflops=340.0,
@@ -158,6 +164,11 @@ def test_every_family_has_its_run_line_peers_and_ratios(files, capsys):
     assert "copy bandwidth 4273 GB/s" in prose(lines) and "within 7.8e-03 max abs of ours" in prose(lines)
     assert len(row(lines, "| GQA group |")) == 1 + 2 * 3 + 1
     assert row(lines, "| 8 |")[:3] == ["8", "2000.0", "12.4"]
+    assert columns(lines, "kind") == ["kind", "path", "batch", "kv len", "no PDL (µs/run)", "PDL (µs/run)", "speed-up"]
+    assert row(lines, "| decode | cuda cores |") == ["decode", "cuda cores", "64", "1024", "20.00", "16.00", "1.250"]
+    assert row(lines, "| prefill | fa3 paged |")[-1] == "1.026"
+    assert "- prefill fa3 paged 1024: outputs with and without PDL differ" in lines
+    assert "Programmatic dependent launch (`enable_pdl`): one CUDA graph of 32 back-to-back run() calls." in prose(lines)
 
     lines = section(text, "FA2 prefill")
     assert columns(lines, "batch x len")[3:] == ["paged TFLOP/s", "ragged TFLOP/s", "SDPA FLASH TFLOP/s",
@@ -205,7 +216,7 @@ def test_every_table_row_has_its_header_s_cells(files, capsys):
         elif current:
             blocks.append(current)
             current = []
-    assert len(blocks) == 10
+    assert len(blocks) == 11
     for block in blocks:
         assert len({line.count("|") for line in block}) == 1, block[0]
         assert set(block[1].strip("|").replace(" ", "").split("|")) <= {"---", "---:"}
@@ -274,7 +285,8 @@ def test_records_written_by_the_benchmarks_render(tmp_path, monkeypatch, capsys)
     records = {
         "decode": (decode.config(decode.parse_args([])), dict(
             decode=[asdict(drow)], plan=[dict(batch=1, kv_len=decode.PLAN_KV_LEN, calls=decode.PLAN_CALLS, us=20.0)],
-            check=[dict(kv_dtype="bf16", batch=1, kv_len=1024, max_abs=1e-3, rel_l2=1e-3)])),
+            check=[dict(kv_dtype="bf16", batch=1, kv_len=1024, max_abs=1e-3, rel_l2=1e-3)],
+            pdl=[asdict(_pdl.PdlRow("decode", "tensor_cores_fa3", 64, 4096, 32, 30.0, 24.0, 1.25))])),
         "prefill": (prefill.config(prefill.parse_args([])), dict(
             prefill=[asdict(prow)], tensor_core_decode=[tc],
             check=[dict(backend="fa3", paged=True, causal=True, max_abs=1e-3, rel_l2=1e-3)])),
@@ -295,7 +307,8 @@ def test_records_written_by_the_benchmarks_render(tmp_path, monkeypatch, capsys)
                   "| 4 x 4096 | 256 (16/4) | no | 900.0 | 1000.0 | 625.0 | n/a | 1.60 | n/a |",
                   "| 4 x 4096 | 128 (32/8) | yes | 310.0 |", "| CUDA cores (fa2) | 1 | 300.0 |",
                   "| decode fa2 bf16 hd128 | sm_90a | 4.0 | n/a | n/a |",
-                  "| prefill fa3 e4m3 q/kv, bf16 o hd128 | sm_90a | 4.0 | n/a | n/a |", "| 4 | 1.0 | 1.0 |"):
+                  "| prefill fa3 e4m3 q/kv, bf16 o hd128 | sm_90a | 4.0 | n/a | n/a |", "| 4 | 1.0 | 1.0 |",
+                  "| decode | tensor cores fa3 | 64 | 4096 | 30.00 | 24.00 | 1.250 |"):
         assert cells in text
     assert "FlashInfer: flashinfer is not importable (No module named 'flashinfer')." in prose([text])
     assert "--cache-dir <empty dir>` did not finish" in prose([text])

@@ -49,3 +49,24 @@ def test_decode_kv_dtype_refuses_unknown(capsys):
         decode.parse_args(["--kv-dtype", "fp4"])
     err = capsys.readouterr().err
     assert "--kv-dtype" in err and "fp4" in err
+
+
+def test_decode_pdl_options():
+    from attnforge.benchmarks import decode
+
+    args = decode.parse_args([])
+    assert not args.no_pdl and args.pdl_runs == 32
+    args = decode.parse_args(["--no-pdl", "--pdl-runs", "8"])
+    assert args.no_pdl and args.pdl_runs == 8
+    assert decode.config(args)["pdl"] is None
+    assert decode.config(decode.parse_args([]))["pdl"]["runs"] == 32
+
+
+def test_decode_pdl_markdown_has_a_row_per_case():
+    from attnforge.benchmarks import _pdl
+
+    rows = [_pdl.PdlRow("decode", "cuda_cores", 64, 1024, 32, 20.0, 16.0, 1.25),
+            _pdl.PdlRow("prefill", "fa3 paged", 16, 1024, 32, 400.0, 390.0, 400.0 / 390.0, "a note")]
+    lines = _pdl.markdown(rows).splitlines()
+    assert lines[2] == "| decode | cuda_cores | 64 | 1024 | 20.00 | 16.00 | 1.250 |  |"
+    assert lines[3].endswith("| 1.026 | a note |")

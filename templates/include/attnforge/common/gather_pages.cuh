@@ -8,13 +8,16 @@
 //   A page id outside [0, cache_pages) is never read: its rows become all ones (0xFF bytes, a NaN
 //   in bf16, fp16, e4m3 and e5m2 alike), so every q row reading them comes out NaN, and the plan's
 //   bad-page bit is raised, as the paged kernels do.
+//   PDL (pdl.cuh): waits before reading the page table; its loads issued, lets the prefill launch.
 // Must not: read past the plan's pages, or assume anything of the cache's strides but 16-byte
 //   alignment (the paged kernels' TMA maps and cp.async copies need it too).
 #pragma once
 
 #include <cstdint>
 
+#include "../host/launch.h"
 #include "math.cuh"
+#include "pdl.cuh"
 #include "plan_image.cuh"
 
 namespace attnforge::common {
@@ -46,6 +49,7 @@ constexpr int kGatherChunksPerThread = 4;  // 16-byte loads each thread has in f
 
 __global__ void __launch_bounds__(kGatherThreads)
     gather_pages_kernel(const __grid_constant__ GatherPagesArgs a, const __grid_constant__ GatherDivisors d) {
+  wait_for_prior_grids();  // PDL: the cache and the page table may be the previous kernel's output
   const bool is_k = blockIdx.y == 0;
   const GatherTensor& t = is_k ? a.k : a.v;
   const FastDivmod& by_chunks = is_k ? d.k_chunks : d.v_chunks;
@@ -68,6 +72,7 @@ __global__ void __launch_bounds__(kGatherThreads)
     const char* src = t.src + id * t.page_stride + in_page * t.token_stride + head * t.head_stride + column * 16;
     values[i] = ok ? __ldcs(reinterpret_cast<const int4*>(src)) : make_int4(-1, -1, -1, -1);
   }
+  allow_dependent_grids();
 #pragma unroll
   for (int i = 0; i < kGatherChunksPerThread; ++i) {
     const int chunk = first + i * kGatherThreads;
@@ -85,14 +90,14 @@ inline int gather_blocks(const GatherPagesArgs& a) {
   return static_cast<int>((chunks + kPerBlock - 1) / kPerBlock);
 }
 
-inline cudaError_t launch_gather_pages(const GatherPagesArgs& a, cudaStream_t stream) {
+inline cudaError_t launch_gather_pages(const GatherPagesArgs& a, cudaStream_t stream, bool pdl) {
   if (a.pages == 0) return cudaSuccess;
   if (int64_t(a.pages) * a.page_size * a.heads * (a.k.row_bytes + a.v.row_bytes) >= (int64_t(1) << 35))
     return cudaErrorInvalidValue;  // its chunk indices are int32 (plan() never asks for this)
   const GatherDivisors divisors{FastDivmod(a.k.row_bytes / 16), FastDivmod(a.v.row_bytes / 16), FastDivmod(a.heads),
                                 FastDivmod(a.page_size)};
-  gather_pages_kernel<<<dim3(gather_blocks(a), 2), kGatherThreads, 0, stream>>>(a, divisors);
-  return cudaGetLastError();
+  return host::launch_kernel(gather_pages_kernel, dim3(gather_blocks(a), 2), dim3(kGatherThreads), 0, stream, pdl, a,
+                             divisors);
 }
 
 }  // namespace attnforge::common

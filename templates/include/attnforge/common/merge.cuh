@@ -5,12 +5,16 @@
 //   an empty range means the attention kernel already wrote o/lse for it, and the merge skips it.
 //   State algebra (as FlashInfer's merge_state): o = sum 2^(s_i - M) o_i / sum 2^(s_i - M),
 //   lse = M + log2(sum 2^(s_i - M)); all-empty inputs give o = 0, lse = -inf.
+//   PDL (pdl.cuh): launched right after the attention kernel that writes the partials, it waits for
+//   it before reading the plan; its partials read, it lets the next kernel launch.
 // Must not: read anything but the partial buffers and the plan.
 #pragma once
 
 #include <cstdint>
 
+#include "../host/launch.h"
 #include "math.cuh"
+#include "pdl.cuh"
 #include "plan_image.cuh"
 #include "vec.cuh"
 
@@ -32,6 +36,7 @@ struct MergeArgs {
 template <typename DTypeO, int kHeadDim>
 __global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
   constexpr int kCols = 4;  // fp32 columns per thread: one float4 load
+  wait_for_prior_grids();  // PDL: the partials are the previous kernel's output
   const int row_id = blockIdx.x;
   const int qo_head = blockIdx.y * blockDim.y + threadIdx.y;
   if (qo_head >= p.num_qo_heads) return;
@@ -58,6 +63,7 @@ __global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
     d = d * a + b;
     m = m_new;
   }
+  allow_dependent_grids();
   const float inv_d = poisoned ? NAN : (d > 0.f ? 1.f / d : 0.f);
   DTypeO* o_row = static_cast<DTypeO*>(p.o) + row_id * p.o_stride_n + qo_head * p.o_stride_h + threadIdx.x * kCols;
 #pragma unroll
@@ -69,12 +75,11 @@ __global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
 }
 
 template <typename DTypeO, int kHeadDim>
-cudaError_t launch_merge_partials(const MergeArgs& p, cudaStream_t stream) {
+cudaError_t launch_merge_partials(const MergeArgs& p, cudaStream_t stream, bool pdl) {
   constexpr int kHeadsPerBlock = 4;
   const dim3 grid(p.rows, (p.num_qo_heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
   const dim3 block(kHeadDim / 4, kHeadsPerBlock);
-  merge_partials_kernel<DTypeO, kHeadDim><<<grid, block, 0, stream>>>(p);
-  return cudaGetLastError();
+  return host::launch_kernel(merge_partials_kernel<DTypeO, kHeadDim>, grid, block, 0, stream, pdl, p);
 }
 
 }  // namespace attnforge::common

@@ -17,6 +17,8 @@
 //   either straight into o/lse or, for a split request, into the fp32 partial slot the plan gave.
 //   An empty range writes o = 0, lse = -inf. A page id outside [0, num_pages) never reaches
 //   memory: the CTA reads page 0 instead, writes NaN, and raises the plan's error word.
+//   PDL (common/pdl.cuh): every thread waits before the first plan read; the kv loop's end lets the
+//   next kernel launch.
 //
 // Must not: decide anything about scheduling (the plan did) or know about dtypes beyond common/vec.cuh.
 #pragma once
@@ -25,8 +27,10 @@
 
 #include "../common/async_copy.cuh"
 #include "../common/math.cuh"
+#include "../common/pdl.cuh"
 #include "../common/plan_image.cuh"
 #include "../common/vec.cuh"
+#include "../host/launch.h"
 
 #include "decode_traits.cuh"
 #include "decode_simt.cuh"
@@ -42,6 +46,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   int32_t* plan = static_cast<int32_t*>(p.plan);
 
+  common::wait_for_prior_grids();  // PDL: the plan, q and K/V may come from the kernel before
   const int work = blockIdx.x / p.num_head_tiles;
   if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
   const int head_tile = blockIdx.x % p.num_head_tiles;
@@ -138,6 +143,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
       consume(tile % T::kStages, end - begin - tile * T::kTileTokens);
     }
     common::cp_async_wait<0>();
+    common::allow_dependent_grids();  // PDL: the next kernel (the merge, the next step) may start its launch
   };
   // After the kv loop every token lane's state is in smem.lanes, except that the CUDA-core tile's
   // lane 0 keeps its own in `st`; token lane 0's threads then merge the others into st.
@@ -254,8 +260,7 @@ cudaError_t launch_decode(const typename T::Params& p, cudaStream_t stream) {
   }
   const dim3 grid(p.work_capacity * p.num_head_tiles, p.num_kv_heads);
   const dim3 block(T::kBdx, T::kBdy, T::kBdz);
-  decode_kernel<T><<<grid, block, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return host::launch_kernel(decode_kernel<T>, grid, block, kSmem, stream, p.enable_pdl != 0, p);
 }
 
 template <typename T>

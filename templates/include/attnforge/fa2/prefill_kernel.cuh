@@ -18,6 +18,8 @@
 //   Output: o (+ lse, base 2) or, when work_partial >= 0, fp32 partial rows (prefill_epilogue.cuh).
 //   A page id outside [0, num_pages) is never read (page 0 is), the CTA's rows come out NaN and the
 //   plan's error word gets kPlanErrorBadPage.
+//   PDL (common/pdl.cuh): every thread waits before the first plan read; the kv loop's end lets the
+//   next kernel launch.
 //
 // Must not: decide scheduling (the plan did) or pick the variant (the dispatcher reads cta_tile_q).
 #pragma once
@@ -26,7 +28,9 @@
 
 #include "../common/async_copy.cuh"
 #include "../common/math.cuh"
+#include "../common/pdl.cuh"
 #include "../common/plan_image.cuh"
+#include "../host/launch.h"
 
 #include "prefill_traits.cuh"
 #include "prefill_state.cuh"
@@ -46,6 +50,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   int32_t* plan = static_cast<int32_t*>(p.plan);
 
+  common::wait_for_prior_grids();  // PDL: the plan, q and K/V may come from the kernel before
   const int work = blockIdx.x;
   if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
   const int kv_head = blockIdx.y;
@@ -159,6 +164,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     accumulate_pv<T>(smem.tiles.v, warp_kv, s, st);
   }
   common::cp_async_wait<0>();
+  common::allow_dependent_grids();  // PDL: the next kernel (the merge, the next step) may start its launch
 
   // Complete each row's denominator over the quad that shares it.
 #pragma unroll
@@ -194,8 +200,8 @@ cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
   const cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
   const dim3 grid(p.work_capacity, p.num_kv_heads);
-  prefill_kernel<T><<<grid, T::kThreads, sizeof(typename T::SharedStorage), stream>>>(p);
-  return cudaGetLastError();
+  return host::launch_kernel(prefill_kernel<T>, grid, dim3(T::kThreads), sizeof(typename T::SharedStorage), stream,
+                             p.enable_pdl != 0, p);
 }
 
 template <typename T>

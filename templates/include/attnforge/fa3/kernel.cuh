@@ -7,6 +7,8 @@
 //   that plan() sizes max_ctas with. A module compiles each launch_instance<U> in a translation
 //   unit of its own (declared `extern template` where launch_prefill is), so nvcc builds them in
 //   parallel.
+//   PDL (common/pdl.cuh): barrier init and descriptor prefetch run before the wait; every thread
+//   waits before the first plan read; the producer, out of jobs, lets the next kernel launch.
 // Must not: synchronize or allocate; decide the schedule (the plan did).
 #pragma once
 
@@ -25,8 +27,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
   const auto& p = args.p;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  if (int(blockIdx.x) >= num_jobs_of(p)) return;  // more CTAs than jobs (a static CUDA-graph grid)
 
+  // Everything up to the PDL wait touches only shared memory and the parameters: it overlaps the
+  // previous kernel's tail when the launch is programmatic.
   if (threadIdx.x == 0) {
     if (args.box_rows > 0) {
       cute::prefetch_tma_descriptor(&args.k_pages);
@@ -59,6 +62,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
     }
     cutlass::arch::fence_barrier_init();
   }
+  // PDL: the plan (and its job counter), Q and K/V may come from the kernel before; every thread
+  // waits, so the producer's loads and the consumers' plan reads and stores all follow it.
+  common::wait_for_prior_grids();
+  if (int(blockIdx.x) >= num_jobs_of(p)) return;  // more CTAs than jobs (a static CUDA-graph grid)
   __syncthreads();
 
   const common::FastDivmod group(p.group_size);
@@ -82,6 +89,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
       });
       cutlass::arch::NamedBarrier::sync(T::kProducerThreads, kBarrierProducer);
     }
+    // PDL: this CTA's loads are issued and its job count taken; the next kernel may launch (its
+    // CTAs take SMs as these exit).
+    common::allow_dependent_grids();
     common::cp_async_wait<0>();  // nothing may still be landing when the CTA exits
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
@@ -164,8 +174,8 @@ cudaError_t launch_instance(const typename T::Params& p, cudaStream_t stream) {
   const int64_t jobs = int64_t(p.work_capacity) * p.num_kv_heads;
   const int grid = int(std::min<int64_t>(jobs, p.max_ctas));
   if (grid == 0) return cudaSuccess;
-  prefill_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  return host::launch_kernel(prefill_kernel<T>, dim3(grid), dim3(T::kThreads), T::kSmemBytes, stream, p.enable_pdl != 0,
+                             args);
 }
 
 // The instantiation a plan runs on: T itself, or one of its variants (V transposed ahead, decode items).

@@ -33,7 +33,9 @@
 #include "../common/async_copy.cuh"
 #include "../common/math.cuh"
 #include "../common/mma.cuh"
+#include "../common/pdl.cuh"
 #include "../common/plan_image.cuh"
+#include "../host/launch.h"
 #include "../common/vec.cuh"
 #include "../host/tensor_map.h"
 

@@ -162,6 +162,7 @@ __global__ void __launch_bounds__(T::kProducerThreads) transpose_v_kernel(const 
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<TransposeVStorage<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int block = blockIdx.x, kv_head = blockIdx.y, tid = threadIdx.x;
+  common::wait_for_prior_grids();  // PDL: the plan and V may come from the kernel before
   // The block's request: the last whose first block is at or before it (empty requests have none).
   const int32_t* first_block = plan + p.off_vt_block;
   int request = 0;
@@ -180,6 +181,7 @@ __global__ void __launch_bounds__(T::kProducerThreads) transpose_v_kernel(const 
   load_v_tile_transposed<T>(reinterpret_cast<uint8_t*>(smem.vt),
                             static_cast<const typename T::DTypeKV*>(p.v) + kv_head * p.v_stride_head, tid,
                             gathered_rows<T>(smem.page_rows, first, end, kv_token_base, p.v_stride_page, p.v_stride_token), 0);
+  common::allow_dependent_grids();  // PDL: V is read; the prefill kernel may start its prologue
   cutlass::arch::fence_view_async_shared();
   __syncthreads();
   if (tid == 0) {
@@ -204,8 +206,8 @@ cudaError_t launch_transpose_v(const typename T::Params& p, cudaStream_t stream)
     if (err != cudaSuccess) return err;
     constexpr int kSmemBytes = int(sizeof(TransposeVStorage<Vt>)) + 1024;
     static_assert(kSmemBytes <= 48 * 1024, "fa3 V transpose: one block fits the default shared memory");
-    transpose_v_kernel<Vt><<<dim3(p.vt_blocks, p.num_kv_heads), Vt::kProducerThreads, kSmemBytes, stream>>>(args);
-    return cudaGetLastError();
+    return host::launch_kernel(transpose_v_kernel<Vt>, dim3(p.vt_blocks, p.num_kv_heads), dim3(Vt::kProducerThreads),
+                               kSmemBytes, stream, p.enable_pdl != 0, args);
   }
 }
 
