@@ -277,7 +277,7 @@ def _cache_settings(args: argparse.Namespace):
     from attnforge.settings import settings
 
     config = settings()
-    return config if args.cache_dir is None else dataclasses.replace(config, cache_dir=args.cache_dir)
+    return config if args.cache_dir is None else dataclasses.replace(config, cache_dir=args.cache_dir.absolute())
 
 
 def _build_modules(args: argparse.Namespace) -> tuple[list, object]:

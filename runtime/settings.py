@@ -144,7 +144,8 @@ def settings() -> Settings:
     """Read the environment now (cheap; callers on hot paths keep the result)."""
     explicit = os.environ.get(CACHE_DIR_ENV, "")
     return Settings(
-        cache_dir=Path(explicit).expanduser() if explicit else _first_writable(default_cache_dirs()),
+        # absolute: builds run ninja in a folder of their own, where a relative path means something else
+        cache_dir=Path(explicit).expanduser().absolute() if explicit else _first_writable(default_cache_dirs()),
         cache_dir_from_env=bool(explicit),
         cuda_arch_list=_arch_list(),
         debug=_flag("ATTNFORGE_DEBUG"),

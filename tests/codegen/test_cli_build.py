@@ -4,6 +4,7 @@ with their compiler output, --arch replacing the manifest's archs, and bad input
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,14 @@ def test_build_help_says_how_long_a_build_takes(capsys):
     assert main(["build", "--help"]) == 0
     out = capsys.readouterr().out
     assert "16 cores" in out and "15 s (fa3 prefill bf16)" in out and "144 s" in out
+
+
+def test_a_relative_cache_dir_option_is_made_absolute(tmp_path, monkeypatch):
+    """ninja runs each build in its own folder, so --cache-dir is resolved against the working directory first."""
+    import argparse
+
+    from attnforge.codegen import cli
+
+    monkeypatch.chdir(tmp_path)
+    config = cli._cache_settings(argparse.Namespace(cache_dir=Path("rel")))
+    assert config.cache_dir == tmp_path / "rel"

@@ -236,6 +236,15 @@ def test_build_in_a_path_with_space_dollar_and_colon(tmp_path, monkeypatch, fake
     assert sum("-shared" in args for args in calls) == 1
 
 
+def test_a_relative_cache_dir_is_taken_from_the_working_directory(tmp_path, monkeypatch, fake_nvcc):
+    """ninja runs in the build's own folder: a relative ATTNFORGE_CACHE_DIR must not be read from there."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", "rel cache")
+    library = build(SPEC)
+    assert library.is_absolute() and library.is_relative_to(tmp_path / "rel cache")
+    assert integrity.problem(library) is None
+
+
 # --- a killed build --------------------------------------------------------------------------------
 
 def _alive(pid: int) -> bool:
