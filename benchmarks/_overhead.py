@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._timing import settle
+from ._timing import graph_of, settle
 
 CALLS = 200
 REPEATS = 7  # the median of this many loops of CALLS calls
@@ -49,14 +49,7 @@ def measure(call) -> Overhead:
     """call(): one run() on static buffers (capturable). Times it eager, then from a CUDA graph."""
     settle(call, 20)
     eager, host = zip(*(_loop_us(call, CALLS) for _ in range(REPEATS)))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = graph_of(call)
     settle(graph.replay, 20)
     replay = [_loop_us(graph.replay, CALLS)[0] for _ in range(REPEATS)]
     return Overhead(statistics.median(eager), statistics.median(replay), statistics.median(host))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._timing import time_cuda_us
+from ._timing import graph_of, time_cuda_us
 
 RUNS = 32
 DECODE_BATCH, DECODE_KV_LENS = 64, (1024, 4096)
@@ -43,25 +43,12 @@ def _sm90() -> bool:
     return torch.cuda.get_device_capability()[0] >= 9
 
 
-def _graph_of(run, runs: int) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()  # warm up off the default stream, as torch.cuda.graph expects
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(runs):
-            run()
-    return graph
-
-
 def _row(kind: str, path: str, batch: int, kv_len: int, make_run, args) -> PdlRow:
     """make_run(enable_pdl) -> (run, out); the two graphs are timed and their outputs compared."""
     timings, outputs = {}, {}
     for pdl in (False, True):
         run, out = make_run(pdl)
-        graph = _graph_of(run, args.pdl_runs)
+        graph = graph_of(run, args.pdl_runs)
         out.fill_(math.nan)
         graph.replay()
         torch.cuda.synchronize()

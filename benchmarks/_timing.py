@@ -44,6 +44,21 @@ def time_cuda_us(fn, iters: int, warmup: int, flush=None) -> float:
     return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def graph_of(run, runs: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `runs` back-to-back run() calls, captured after one warm-up call off the
+    default stream (as torch.cuda.graph expects)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(runs):
+            run()
+    return graph
+
+
 def copy_bandwidth_gbps(total_bytes: int = 4 << 30) -> float:
     """Device-to-device copy of total_bytes, counted as read + write."""
     src = torch.empty(total_bytes, dtype=torch.uint8, device="cuda").random_()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.compiler import is_compiling
 
-from . import compile_ops
+from . import compile_ops  # noqa: F401  (registers the torch.ops.attnforge ops used below)
 
 __all__ = ["merge_state", "merge_states"]
 

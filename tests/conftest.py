@@ -1,13 +1,15 @@
 """Shared test setup: GPU tests carry @pytest.mark.gpu and skip cleanly without a CUDA device;
 tests that compile carry @pytest.mark.nvcc and skip without nvcc. `tiny_build` compiles one small
-module once per session for the tests that need a built module."""
+module once per session for the tests that need a built module; `sass_of` disassembles one."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, replace
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,33 @@ def tiny_build(tmp_path_factory) -> TinyBuild:
                              "--cache-dir", str(cache)], capture_output=True, text=True, timeout=1800)
     (spec,) = manifest.load(path).specs
     return TinyBuild(manifest=path, cache=cache, spec=spec, result=result)
+
+
+def _cuda_tool(name: str, wheel: str) -> str | None:
+    """A CUDA binary tool from the CUDA install, else from its nvidia-cuda-* wheel (test extras)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        files = metadata.files(wheel) or []
+    except metadata.PackageNotFoundError:
+        return None
+    return next((str(Path(f.locate())) for f in files if f.name == name), None)
+
+
+@pytest.fixture(scope="session")
+def sass_of():
+    """sass_of(library) -> `cuobjdump -sass` text of a built module; skips without the tools."""
+    cuobjdump = _cuda_tool("cuobjdump", "nvidia-cuda-cuobjdump")
+    nvdisasm = _cuda_tool("nvdisasm", "nvidia-cuda-nvdisasm")  # cuobjdump -sass runs it
+    if cuobjdump is None or nvdisasm is None:
+        pytest.skip("no cuobjdump/nvdisasm (install the test extras nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+    env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def disassemble(library) -> str:
+        done = subprocess.run([cuobjdump, "-sass", str(library)], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    return disassemble
+

@@ -12,8 +12,6 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import replace
-from importlib import metadata
-from pathlib import Path
 
 import pytest
 
@@ -222,36 +220,17 @@ def test_two_processes_build_once(tmp_path):
     assert sorted(objects) == sorted(p.name + ".o" for p in (folder / "src").glob("*.cu"))
 
 
-def _cuda_tool(name: str, wheel: str) -> str | None:
-    """A CUDA binary tool from the CUDA install, else from its nvidia-cuda-* wheel (test extras)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    try:
-        files = metadata.files(wheel) or []
-    except metadata.PackageNotFoundError:
-        return None
-    return next((str(Path(f.locate())) for f in files if f.name == name), None)
-
-
 # (module, its wgmma's SASS mnemonic, batches per wait at least): the fp8 wgmma has twice the K of
 # a 16-bit one, so half the instructions per tile meet the same four waits.
 FA3_SASS = [("fa3_sm90a", "HGMMA.", 4), ("fa3_e4m3_sm90a", "QGMMA.64x128x32.F32.E4M3.E4M3", 2)]
 
 
 @pytest.mark.parametrize("name, gmma, per_wait", FA3_SASS, ids=[name for name, *_ in FA3_SASS])
-def test_fa3_module_sass_holds_hgmma(built, name, gmma, per_wait):
+def test_fa3_module_sass_holds_hgmma(built, sass_of, name, gmma, per_wait):
     """The fa3 kernels issue wgmma (HGMMA, or QGMMA with e4m3 operands, in SASS): a build that fell
     back to anything else would pass every functional test at a fraction of the speed."""
-    cuobjdump = _cuda_tool("cuobjdump", "nvidia-cuda-cuobjdump")
-    nvdisasm = _cuda_tool("nvdisasm", "nvidia-cuda-nvdisasm")  # cuobjdump -sass runs it
-    if cuobjdump is None or nvdisasm is None:
-        pytest.skip("no cuobjdump/nvdisasm (install the test extras nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
     module, _ = built[name]
-    env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    result = subprocess.run([cuobjdump, "-sass", str(module.path)], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    sass = result.stdout
+    sass = sass_of(module.path)
     assert gmma in sass
     # ptxas may also serialize wgmma without a C7510 warning (a wait after every HGMMA, seen when a
     # branch guarded the issue): each variant keeps its handful of batch waits.

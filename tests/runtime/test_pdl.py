@@ -5,12 +5,7 @@ before its first global memory access, and sm_80 kernels carry neither instructi
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-from importlib import metadata
-from pathlib import Path
 
 import pytest
 
@@ -79,40 +74,22 @@ GLOBAL_ACCESS = re.compile(r"(LDG|STG|ATOMG|RED|LDGSTS|UTMALDG|UTMASTG|UBLKCP|LD
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)")
 
 
-def _cuda_tool(name: str, wheel: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    try:
-        files = metadata.files(wheel) or []
-    except metadata.PackageNotFoundError:
-        return None
-    return next((str(Path(f.locate())) for f in files if f.name == name), None)
-
-
-def _kernels(library: Path) -> dict[str, list[str]]:
-    """{mangled kernel name: its SASS opcodes in order} of a built module."""
-    cuobjdump = _cuda_tool("cuobjdump", "nvidia-cuda-cuobjdump")
-    nvdisasm = _cuda_tool("nvdisasm", "nvidia-cuda-nvdisasm")
-    if cuobjdump is None or nvdisasm is None:
-        pytest.skip("no cuobjdump/nvdisasm (install the test extras nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
-    env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run([cuobjdump, "-sass", str(library)], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr
+def _kernels(sass: str) -> dict[str, list[str]]:
+    """{mangled kernel name: its SASS opcodes in order} of a module's disassembly."""
     kernels = {}
-    for section in done.stdout.split("Function : ")[1:]:
+    for section in sass.split("Function : ")[1:]:
         lines = section.splitlines()
         kernels[lines[0].strip()] = [m.group(1) for m in map(INSTRUCTION.match, lines[1:]) if m]
     return kernels
 
 
 @pytest.fixture(scope="module")
-def sass(module_cache):
+def sass(module_cache, sass_of):
     from attnforge.loader import load_uncached
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("ATTNFORGE_CACHE_DIR", str(module_cache))
-        return {name: _kernels(load_uncached(spec).path) for name, spec in SPECS.items()}
+        return {name: _kernels(sass_of(load_uncached(spec).path)) for name, spec in SPECS.items()}
 
 
 @pytest.mark.nvcc
