@@ -77,8 +77,21 @@ def _positive(what: str):
     return _typed(parse, what)
 
 
+# What an enum option is called in its error, and why a value users reach for is not a choice.
+_ENUM_WORDS = {Kind: "kind", Backend: "backend", PosEncoding: "positional encoding"}
+_ENUM_HINTS = {(Backend, "auto"): " ('auto' is chosen at run time by the wrappers' backend=\"auto\"; a module names one)"}
+
+
 def _enum(cls):
-    return _typed(lambda text: cls(text.upper() if cls is PosEncoding else text.lower()), cls.__name__.lower())
+    def parse(text: str):
+        try:
+            return cls(text.upper() if cls is PosEncoding else text.lower())
+        except ValueError:
+            choices = ", ".join(member.value for member in cls)
+            hint = _ENUM_HINTS.get((cls, text.lower()), "")
+            raise ValueError(f"unknown {_ENUM_WORDS[cls]} {text!r}; expected one of {choices}{hint}") from None
+
+    return _typed(parse, cls.__name__.lower())
 
 
 _DTYPE = _typed(DType.parse, "dtype")
@@ -96,7 +109,6 @@ _SPEC_DEFAULTS = dict(
     use_sliding_window=False,
     use_logits_soft_cap=False,
     use_custom_mask=False,
-    fp16_qk_reduction=False,
     archs=[Arch.SM90A],
 )
 
@@ -122,8 +134,6 @@ def _spec_options() -> argparse.ArgumentParser:
                    help="compile in the logits soft cap path")
     g.add_argument("--custom-mask", dest="use_custom_mask", action="store_true", default=None,
                    help="compile in a custom (user-given) mask")
-    g.add_argument("--fp16-qk-reduction", dest="fp16_qk_reduction", action="store_true", default=None,
-                   help="accumulate q.k in fp16 (fp16 query only)")
     g.add_argument("--arch", dest="archs", action="append", type=_typed(Arch.parse, "arch"), metavar="ARCH",
                    help="target arch, repeatable: " + ", ".join(a.value for a in Arch) + " (default 90a)")
     return p
@@ -136,7 +146,7 @@ def _manifest_option(p: argparse.ArgumentParser) -> None:
 
 def _given_spec_fields(args: argparse.Namespace) -> dict:
     fields = ("kind", "backend", "dtype_q", "dtype_kv", "dtype_o", "head_dim_qk", "head_dim_vo", "pos_encoding",
-              "use_sliding_window", "use_logits_soft_cap", "use_custom_mask", "fp16_qk_reduction", "archs")
+              "use_sliding_window", "use_logits_soft_cap", "use_custom_mask", "archs")
     return {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
 
 
@@ -394,8 +404,8 @@ def _bench_epilog() -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     available = _benchmarks()
     if args.name not in available:
-        print(f"attnforge bench: error: unknown benchmark {args.name!r}; available: {', '.join(available) or 'none'}",
-              file=sys.stderr)
+        problem = "name a benchmark" if args.name is None else f"unknown benchmark {args.name!r}"
+        print(f"attnforge bench: error: {problem}; available: {', '.join(available) or 'none'}", file=sys.stderr)
         return EXIT_INVALID
     module = importlib.import_module(f"attnforge.benchmarks.{args.name}")
     return int(module.main(args.args) or 0)
@@ -476,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
             "docs/benchmarks.md from those records.",
             "attnforge bench decode --out bench-decode.json\n"
             "  attnforge bench report bench-*.json --output docs/benchmarks.md\n\n" + _bench_epilog())
-    p.add_argument("name", help="benchmark name, e.g. decode (listed below)")
+    p.add_argument("name", nargs="?", help="benchmark name, e.g. decode (listed below)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 

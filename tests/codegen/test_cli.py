@@ -27,7 +27,8 @@ def test_generate_refused_spec_writes_nothing(tmp_path, capsys):
             "--head-dim", "128", "--out", str(tmp_path / "out")]
     assert main(args) == 2
     out = capsys.readouterr().out
-    assert "decode-is-fa2" in out and "fa3-fp8-kv-needs-fp8-q" in out
+    # fa3 is a prefill family: the decode spec is refused for that cause alone, without fa3 advice on top
+    assert "decode-is-fa2" in out and "fa3-" not in out
     assert not (tmp_path / "out").exists()
 
 
@@ -108,6 +109,14 @@ def test_bench_forwards_the_remaining_arguments(tmp_path, monkeypatch, capsys):
         (["validate", "--head-dim", "12x"], "head dim must be a positive integer"),
         (["validate", "--arch", "75"], "unknown arch"),
         (["validate", "--kind", "encode"], "--kind"),
+        # issue 39: enum errors list the choices ("'auto' is not a valid Backend" did not)
+        (["validate", "--kind", "prefil"], "argument --kind: unknown kind 'prefil'; expected one of prefill, decode"),
+        (["validate", "--backend", "auto"], "argument --backend: unknown backend 'auto'; expected one of fa2, fa3"),
+        (["matrix", "--backend", "fa4"], "unknown backend 'fa4'; expected one of fa2, fa3"),
+        (["validate", "--pos-encoding", "rope"], "expected one of NONE, ROPE_LLAMA, ALIBI"),
+        # issue 39: no kernel accumulates q.k in fp16, so the flag is not offered
+        (["validate", "--fp16-qk-reduction"], "unrecognized arguments: --fp16-qk-reduction"),
+        (["bench"], "name a benchmark; available: build, decode, fp8, prefill, report"),
         (["list", "--manifest", "/does/not/exist.toml"], "does not exist"),
         (["generate", "--manifest", "m.toml", "--kind", "decode"], "not both"),
         (["frobnicate"], "invalid choice"),
@@ -159,3 +168,21 @@ def test_bench_report_renders_a_record(tmp_path, capsys):
     assert main(["bench", "report", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# Benchmarks") and "| decode fa2 bf16 hd128 | sm_90a | 4.4 | n/a | n/a |" in out
+
+
+def test_fa3_for_sm80_gives_one_rule_with_one_piece_of_advice(capsys):
+    """Issue 39: fa3 with --arch 80 printed two rules whose advice conflicted (add sm90a / only sm90a)."""
+    assert main(["validate", "--kind", "prefill", "--backend", "fa3", "--arch", "80"]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("refused prefill_fa3_") and len(out) == 2
+    assert out[1].startswith("  [fa3-needs-sm90a]") and "target sm90a alone, or use backend fa2" in out[1]
+
+
+def test_no_spec_option_is_refused_by_every_spec():
+    """Issue 39: --fp16-qk-reduction was offered though every kind and backend refused it. Each flag must be
+    accepted by at least one valid spec (the default manifest holds one for each)."""
+    from attnforge.codegen.cli import _spec_options
+
+    flags = {a.dest for a in _spec_options()._actions if a.const is True}
+    specs = manifest.load(manifest.default_manifest_path()).specs
+    assert flags and all(any(getattr(spec, flag) for spec in specs) for flag in flags), flags
