@@ -201,6 +201,9 @@ def _print_refused(expansion: manifest.Expansion) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     specs, expansion = _selection(args)
+    if args.prune and expansion is None:
+        raise _InputError("--prune removes the modules a manifest no longer lists; give it with a manifest, "
+                          "not with spec options")
     # Check everything before writing anything, so a refused spec leaves the output folder alone.
     if any([_print_violations(spec) for spec in specs]):
         return EXIT_INVALID
@@ -209,13 +212,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"wrote {render.write(module, args.out)}")
     summary = f"{len(modules)} module(s) written to {args.out}"
     if expansion is not None:
-        removed = render.prune(args.out, keep={m.uri for m in modules})
-        for uri in removed:
-            print(f"removed stale {uri}")
+        keep = {m.uri for m in modules}
+        # Nothing is deleted unless asked: an --out shared with other modules keeps them.
+        stale = render.prune(args.out, keep) if args.prune else render.stale(args.out, keep)
+        for uri in stale:
+            print(f"removed {uri} (not in the manifest)" if args.prune
+                  else f"kept {uri} (not in the manifest; --prune removes it)")
         _print_refused(expansion)
         ids = sorted({r.id for _, violations in expansion.refused for r in violations})
         summary += f", {len(expansion.refused)} refused by rules" + (f" ({', '.join(ids)})" if ids else "")
-        summary += f", {len(removed)} stale removed"
+        if stale:
+            summary += f", {len(stale)} stale " + ("removed" if args.prune else "kept (--prune removes them)")
     print(summary)
     return EXIT_OK
 
@@ -425,11 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("generate", cmd_generate,
             "Render module sources (one folder per module uri) for a manifest or a single spec. "
-            "With a manifest, folders of modules no longer in it are removed.",
+            "Module folders in --out that the manifest does not list are named and kept; --prune removes them.",
             "attnforge generate --kind decode --dtype-q bf16 --head-dim 256 --soft-cap --out build/", [spec_opts])
     _manifest_option(p)
     p.add_argument("--out", type=Path, default=Path("generated"), metavar="DIR",
                    help="output folder (default: ./generated)")
+    p.add_argument("--prune", action="store_true",
+                   help="remove module folders in --out that the manifest does not list (each is named)")
 
     p = add("validate", cmd_validate,
             "Check specs against the rules; print 'ok <name>' or every violated rule with a suggestion. "

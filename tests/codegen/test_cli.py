@@ -32,7 +32,7 @@ def test_generate_refused_spec_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_generate_manifest_prunes_stale_modules_and_reports_refusals(tmp_path, capsys):
+def _manifest_with_a_stale_module(tmp_path):
     path = tmp_path / "m.toml"
     path.write_text('[[group]]\nkind = "decode"\nbackend = "fa2"\ndtype_q = "fp16"\ndtype_kv = "same_as_q"\n'
                     'dtype_o = "same_as_q"\nhead_dim = [64, 96]\narchs = "80"\n')
@@ -40,11 +40,43 @@ def test_generate_manifest_prunes_stale_modules_and_reports_refusals(tmp_path, c
     stale = out_dir / "decode_old_module"
     stale.mkdir(parents=True)
     (stale / "metadata.json").write_text("{}")
+    return path, out_dir, stale
+
+
+def test_generate_manifest_keeps_other_modules_and_names_them(tmp_path, capsys):
+    """Issue 39: generate --out into a folder removed every module there ("91 stale removed") unasked."""
+    path, out_dir, stale = _manifest_with_a_stale_module(tmp_path)
     assert main(["generate", "--manifest", str(path), "--out", str(out_dir)]) == 0
+    assert stale.is_dir() and len(list(out_dir.iterdir())) == 2
+    out = capsys.readouterr().out
+    assert "kept decode_old_module (not in the manifest; --prune removes it)" in out
+    assert "1 refused by rules (decode-head-dims)" in out and "1 stale kept (--prune removes them)" in out
+
+
+def test_generate_prune_removes_stale_modules_and_names_them(tmp_path, capsys):
+    path, out_dir, _ = _manifest_with_a_stale_module(tmp_path)
+    assert main(["generate", "--manifest", str(path), "--out", str(out_dir), "--prune"]) == 0
     (folder,) = out_dir.iterdir()
     assert "_hd64_" in folder.name
     out = capsys.readouterr().out
-    assert "1 refused by rules (decode-head-dims)" in out and "1 stale removed" in out
+    assert "removed decode_old_module (not in the manifest)" in out and "1 stale removed" in out
+
+
+def test_generate_prune_needs_a_manifest(tmp_path, capsys):
+    assert main(["generate", *DECODE_128, "--out", str(tmp_path), "--prune"]) == 2
+    assert "--prune removes the modules a manifest no longer lists" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_generate_of_a_manifest_that_yields_nothing_fails_and_removes_nothing(tmp_path, capsys):
+    """Issue 39: every combination refused exited 0 and then pruned the whole --out folder."""
+    path, out_dir, stale = _manifest_with_a_stale_module(tmp_path)
+    path.write_text('[[group]]\nkind = "decode"\nbackend = "fa3"\ndtype_q = "bf16"\nhead_dim = 128\n')
+    assert main(["generate", "--manifest", str(path), "--out", str(out_dir), "--prune"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"attnforge generate: error: {path}: the manifest yields no module: rules refuse all 1 "
+                   'combination(s) (decode-is-fa2 x1); set on_invalid = "error" in a group to see why\n')
+    assert [p.name for p in out_dir.iterdir()] == [stale.name]
 
 
 def test_validate_valid(capsys):
