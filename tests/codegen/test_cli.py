@@ -218,3 +218,29 @@ def test_no_spec_option_is_refused_by_every_spec():
     flags = {a.dest for a in _spec_options()._actions if a.const is True}
     specs = manifest.load(manifest.default_manifest_path()).specs
     assert flags and all(any(getattr(spec, flag) for spec in specs) for flag in flags), flags
+
+
+GROUP = '[[group]]\nkind = "decode"\nbackend = "fa2"\ndtype_q = "bf16"\nhead_dim = 128\n'
+
+
+@pytest.mark.parametrize("command", ["validate", "list", "generate"])
+@pytest.mark.parametrize("text, message", [
+    (b"\xff\xfe" + GROUP.encode(), "not UTF-8 text (byte 0xff on line 1)"),
+    ("defaults = 3\n" + GROUP, "defaults: expected a table ([defaults]), got 3"),
+    ('group = ["decode"]\n', 'group[0]: expected a table ([[group]]), got "decode"'),
+    ('[defualts]\nkind = "decode"\n' + GROUP, "unknown top-level [defualts]; did you mean [defaults]?"),
+    ('[[groups]]\n' + GROUP.split("\n", 1)[1], "unknown top-level [[groups]]; did you mean [[group]]?"),
+    ('[[group]]\ndtype_q = "bf16"\nhead_dim = 64\n', "group[0]: missing kind, backend (give them in the group"),
+    (GROUP.replace("head_dim = 128", 'head_dim = "128"'), 'group[0].head_dim: expected a positive int, got "128"'),
+    (GROUP.replace('"fa2"', '"fa3"'), "the manifest yields no module: rules refuse all 1 combination(s)"),
+])
+def test_malformed_manifest_is_one_line_with_status_2(tmp_path, capsys, command, text, message):
+    """Issue 39's observed manifests: tracebacks, silence, or messages that did not name the field."""
+    path = tmp_path / "m.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    argv = [command, "--manifest", str(path)] + (["--out", str(tmp_path / "out")] if command == "generate" else [])
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"attnforge {command}: error: {path}: " + captured.err.split(f"{path}: ", 1)[1]
+    assert message in captured.err and len(captured.err.splitlines()) == 1 and "Traceback" not in captured.err
+    assert not (tmp_path / "out").exists()
