@@ -77,8 +77,21 @@ def _positive(what: str):
     return _typed(parse, what)
 
 
+# What an enum option is called in its error, and why a value users reach for is not a choice.
+_ENUM_WORDS = {Kind: "kind", Backend: "backend", PosEncoding: "positional encoding"}
+_ENUM_HINTS = {(Backend, "auto"): " ('auto' is chosen at run time by the wrappers' backend=\"auto\"; a module names one)"}
+
+
 def _enum(cls):
-    return _typed(lambda text: cls(text.upper() if cls is PosEncoding else text.lower()), cls.__name__.lower())
+    def parse(text: str):
+        try:
+            return cls(text.upper() if cls is PosEncoding else text.lower())
+        except ValueError:
+            choices = ", ".join(member.value for member in cls)
+            hint = _ENUM_HINTS.get((cls, text.lower()), "")
+            raise ValueError(f"unknown {_ENUM_WORDS[cls]} {text!r}; expected one of {choices}{hint}") from None
+
+    return _typed(parse, cls.__name__.lower())
 
 
 _DTYPE = _typed(DType.parse, "dtype")
@@ -96,7 +109,6 @@ _SPEC_DEFAULTS = dict(
     use_sliding_window=False,
     use_logits_soft_cap=False,
     use_custom_mask=False,
-    fp16_qk_reduction=False,
     archs=[Arch.SM90A],
 )
 
@@ -122,8 +134,6 @@ def _spec_options() -> argparse.ArgumentParser:
                    help="compile in the logits soft cap path")
     g.add_argument("--custom-mask", dest="use_custom_mask", action="store_true", default=None,
                    help="compile in a custom (user-given) mask")
-    g.add_argument("--fp16-qk-reduction", dest="fp16_qk_reduction", action="store_true", default=None,
-                   help="accumulate q.k in fp16 (fp16 query only)")
     g.add_argument("--arch", dest="archs", action="append", type=_typed(Arch.parse, "arch"), metavar="ARCH",
                    help="target arch, repeatable: " + ", ".join(a.value for a in Arch) + " (default 90a)")
     return p
@@ -136,7 +146,7 @@ def _manifest_option(p: argparse.ArgumentParser) -> None:
 
 def _given_spec_fields(args: argparse.Namespace) -> dict:
     fields = ("kind", "backend", "dtype_q", "dtype_kv", "dtype_o", "head_dim_qk", "head_dim_vo", "pos_encoding",
-              "use_sliding_window", "use_logits_soft_cap", "use_custom_mask", "fp16_qk_reduction", "archs")
+              "use_sliding_window", "use_logits_soft_cap", "use_custom_mask", "archs")
     return {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
 
 
@@ -191,6 +201,9 @@ def _print_refused(expansion: manifest.Expansion) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     specs, expansion = _selection(args)
+    if args.prune and expansion is None:
+        raise _InputError("--prune removes the modules a manifest no longer lists; give it with a manifest, "
+                          "not with spec options")
     # Check everything before writing anything, so a refused spec leaves the output folder alone.
     if any([_print_violations(spec) for spec in specs]):
         return EXIT_INVALID
@@ -199,13 +212,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"wrote {render.write(module, args.out)}")
     summary = f"{len(modules)} module(s) written to {args.out}"
     if expansion is not None:
-        removed = render.prune(args.out, keep={m.uri for m in modules})
-        for uri in removed:
-            print(f"removed stale {uri}")
+        keep = {m.uri for m in modules}
+        # Nothing is deleted unless asked: an --out shared with other modules keeps them.
+        stale = render.prune(args.out, keep) if args.prune else render.stale(args.out, keep)
+        for uri in stale:
+            print(f"removed {uri} (not in the manifest)" if args.prune
+                  else f"kept {uri} (not in the manifest; --prune removes it)")
         _print_refused(expansion)
         ids = sorted({r.id for _, violations in expansion.refused for r in violations})
         summary += f", {len(expansion.refused)} refused by rules" + (f" ({', '.join(ids)})" if ids else "")
-        summary += f", {len(removed)} stale removed"
+        if stale:
+            summary += f", {len(stale)} stale " + ("removed" if args.prune else "kept (--prune removes them)")
     print(summary)
     return EXIT_OK
 
@@ -394,8 +411,8 @@ def _bench_epilog() -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     available = _benchmarks()
     if args.name not in available:
-        print(f"attnforge bench: error: unknown benchmark {args.name!r}; available: {', '.join(available) or 'none'}",
-              file=sys.stderr)
+        problem = "name a benchmark" if args.name is None else f"unknown benchmark {args.name!r}"
+        print(f"attnforge bench: error: {problem}; available: {', '.join(available) or 'none'}", file=sys.stderr)
         return EXIT_INVALID
     module = importlib.import_module(f"attnforge.benchmarks.{args.name}")
     return int(module.main(args.args) or 0)
@@ -415,11 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("generate", cmd_generate,
             "Render module sources (one folder per module uri) for a manifest or a single spec. "
-            "With a manifest, folders of modules no longer in it are removed.",
+            "Module folders in --out that the manifest does not list are named and kept; --prune removes them.",
             "attnforge generate --kind decode --dtype-q bf16 --head-dim 256 --soft-cap --out build/", [spec_opts])
     _manifest_option(p)
     p.add_argument("--out", type=Path, default=Path("generated"), metavar="DIR",
                    help="output folder (default: ./generated)")
+    p.add_argument("--prune", action="store_true",
+                   help="remove module folders in --out that the manifest does not list (each is named)")
 
     p = add("validate", cmd_validate,
             "Check specs against the rules; print 'ok <name>' or every violated rule with a suggestion. "
@@ -476,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
             "docs/benchmarks.md from those records.",
             "attnforge bench decode --out bench-decode.json\n"
             "  attnforge bench report bench-*.json --output docs/benchmarks.md\n\n" + _bench_epilog())
-    p.add_argument("name", help="benchmark name, e.g. decode (listed below)")
+    p.add_argument("name", nargs="?", help="benchmark name, e.g. decode (listed below)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 

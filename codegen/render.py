@@ -204,11 +204,15 @@ def write_files(module: RenderedModule, folder: Path) -> Path:
     return folder
 
 
+def stale(out_dir: Path, keep: set[str]) -> list[str]:
+    """Module folders under out_dir (those holding our metadata.json) not named in keep."""
+    folders = sorted(Path(out_dir).iterdir()) if Path(out_dir).is_dir() else []
+    return [f.name for f in folders if f.is_dir() and (f / METADATA).is_file() and f.name not in keep]
+
+
 def prune(out_dir: Path, keep: set[str]) -> list[str]:
-    """Remove module folders under out_dir (those holding our metadata.json) not named in keep."""
-    removed = []
-    for folder in sorted(Path(out_dir).iterdir()) if Path(out_dir).is_dir() else []:
-        if folder.is_dir() and (folder / METADATA).is_file() and folder.name not in keep:
-            shutil.rmtree(folder)
-            removed.append(folder.name)
+    """Remove the stale module folders under out_dir; returns their names."""
+    removed = stale(out_dir, keep)
+    for name in removed:
+        shutil.rmtree(Path(out_dir) / name)
     return removed

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .dtypes import DType
 from .spec import Arch, Backend, Kind, KernelSpec, PosEncoding
 
 # Head dims each kernel family is written for, as (qk, vo) pairs.
@@ -36,7 +35,9 @@ class Rule:
 
 
 def _fa3(s: KernelSpec) -> bool:
-    return s.backend is Backend.FA3
+    # fa3 is a prefill family: an fa3 decode spec is refused by decode-is-fa2 alone, so the fa3 rules
+    # (whose suggestions assume a prefill kernel) do not pile contradicting advice onto it.
+    return s.backend is Backend.FA3 and s.kind is Kind.PREFILL
 
 
 def _dims(s: KernelSpec) -> tuple[int, int]:
@@ -75,20 +76,21 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "fa2-no-fp8-q",
         "fa2 kernels take a 16-bit query; q is {s.dtype_q.short}",
-        "use a bf16/fp16 query with fa2 (fp8 KV is dequantized in the kernel), or backend fa3 on sm90a",
+        "use a bf16/fp16 query with fa2 (fp8 KV is dequantized in the kernel), or an fp8 KV cache and backend fa3 "
+        "on sm90a (prefill, or decode with use_tensor_cores=True)",
         lambda s: s.backend is Backend.FA2 and s.dtype_q.is_fp8,
     ),
     Rule(
         "fa3-needs-sm90a",
         "fa3 kernels use wgmma/TMA/setmaxnreg, which only sm_90a has; archs are {s.arch_list}",
-        "add sm90a to the target archs, or use backend fa2",
+        "target sm90a alone, or use backend fa2 for these archs",
         lambda s: _fa3(s) and Arch.SM90A not in s.archs,
     ),
     Rule(
         "fa3-only-sm90a",
         "an fa3 module is Hopper-only but also targets {s.arch_list}",
         "build fa3 for sm90a alone and fa2 for the other archs",
-        lambda s: _fa3(s) and any(a is not Arch.SM90A for a in s.archs),
+        lambda s: _fa3(s) and Arch.SM90A in s.archs and any(a is not Arch.SM90A for a in s.archs),
     ),
     Rule(
         "fa3-fp8-kv-needs-fp8-q",
@@ -115,16 +117,16 @@ RULES: tuple[Rule, ...] = (
         lambda s: _fa3(s) and s.pos_encoding is not PosEncoding.NONE,
     ),
     Rule(
-        "fa3-no-fp16-qk-reduction",
-        "fa3 kernels accumulate QK^T in fp32 only",
-        "turn fp16_qk_reduction off, or use backend fa2",
-        lambda s: _fa3(s) and s.fp16_qk_reduction,
+        "no-fp16-qk-reduction",
+        "every kernel accumulates q.k in fp32; none has an fp16 reduction path",
+        "turn fp16_qk_reduction off (fp32 accumulation is as fast on sm80+ tensor cores)",
+        lambda s: s.fp16_qk_reduction,
     ),
     Rule(
         "fa3-head-dims",
-        "fa3 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
+        "fa3 has no 16-bit kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
         "use head dims " + _pairs(FA3_PREFILL_HEAD_DIMS) + " or backend fa2",
-        lambda s: _fa3(s) and _dims(s) not in FA3_PREFILL_HEAD_DIMS,
+        lambda s: _fa3(s) and not s.dtype_q.is_fp8 and _dims(s) not in FA3_PREFILL_HEAD_DIMS,
     ),
     Rule(
         "fa2-prefill-head-dims",
@@ -133,16 +135,10 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.kind is Kind.PREFILL and s.backend is Backend.FA2 and _dims(s) not in FA2_PREFILL_HEAD_DIMS,
     ),
     Rule(
-        "fp16-qk-reduction-needs-fp16",
-        "fp16_qk_reduction accumulates QK^T in fp16, which only an fp16 query allows; q is {s.dtype_q.short}",
-        "turn fp16_qk_reduction off",
-        lambda s: s.fp16_qk_reduction and s.dtype_q is not DType.FP16,
-    ),
-    Rule(
         "decode-is-fa2",
         "the CUDA-core decode kernels are fa2 kernels; fa3 serves decode through its prefill kernels",
         "use backend fa2 for kind decode, or decode with use_tensor_cores=True to run on fa3",
-        lambda s: s.kind is Kind.DECODE and _fa3(s),
+        lambda s: s.kind is Kind.DECODE and s.backend is Backend.FA3,
     ),
     Rule(
         "decode-head-dims",
@@ -163,12 +159,6 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.kind is Kind.DECODE and s.pos_encoding is not PosEncoding.NONE,
     ),
     Rule(
-        "decode-no-fp16-qk-reduction",
-        "the decode kernel reduces q.k in fp32 on CUDA cores; fp16_qk_reduction has no meaning there",
-        "turn fp16_qk_reduction off for decode",
-        lambda s: s.kind is Kind.DECODE and s.fp16_qk_reduction,
-    ),
-    Rule(
         "fa3-fp8-head-dims",
         "fa3 fp8 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}): fp8 rows must fill "
         "128-byte swizzle lines",
@@ -180,13 +170,8 @@ RULES: tuple[Rule, ...] = (
         "fa2 prefill keeps an fp8 KV cache fp8 in shared memory and widens it in registers, so it cannot "
         "rotate K in the kernel; pos_encoding is {s.pos_encoding.value}",
         "apply RoPE to k before quantizing it into the cache and use pos_encoding NONE, or a 16-bit KV cache",
-        lambda s: s.kind is Kind.PREFILL and s.dtype_kv.is_fp8 and s.pos_encoding is PosEncoding.ROPE_LLAMA,
-    ),
-    Rule(
-        "prefill-no-fp16-qk-reduction",
-        "the fa2 prefill kernel accumulates q.k in fp32 only",
-        "turn fp16_qk_reduction off (fp32 accumulation is as fast on sm80+ tensor cores)",
-        lambda s: s.kind is Kind.PREFILL and s.fp16_qk_reduction,
+        lambda s: (s.kind is Kind.PREFILL and s.backend is Backend.FA2 and s.dtype_kv.is_fp8
+                   and s.pos_encoding is PosEncoding.ROPE_LLAMA),
     ),
 )
 

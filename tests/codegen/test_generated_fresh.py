@@ -7,7 +7,7 @@ from pathlib import Path
 from attnforge.codegen import manifest, render
 
 GENERATED = Path(__file__).resolve().parents[2] / "generated"
-FIX = "generated/ is stale: run `attnforge generate` from the repository root and commit the result"
+FIX = "generated/ is stale: run `attnforge generate --prune` from the repository root and commit the result"
 
 
 def _module_files(root: Path) -> dict[str, bytes]:

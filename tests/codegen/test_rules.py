@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnforge.codegen.dtypes import DType
 from attnforge.codegen.rules import (FA2_PREFILL_HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
                                       ensure_valid)
-from attnforge.codegen.spec import Arch, Backend, Kind, PosEncoding
+from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 
 FA3 = dict(backend=Backend.FA3, kind=Kind.PREFILL, archs=(Arch.SM90A,))
 
@@ -26,19 +28,15 @@ EXAMPLES = {
     "fa3-same-dtype-family": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E5M2),
     "fa3-no-custom-mask": dict(FA3, use_custom_mask=True),
     "fa3-no-pos-encoding": dict(FA3, pos_encoding=PosEncoding.ROPE_LLAMA),
-    "fa3-no-fp16-qk-reduction": dict(FA3, fp16_qk_reduction=True),
     "fa3-head-dims": dict(FA3, head_dim_qk=96, head_dim_vo=96),
     "fa2-prefill-head-dims": dict(kind=Kind.PREFILL, head_dim_qk=96, head_dim_vo=96),
-    "fp16-qk-reduction-needs-fp16": dict(fp16_qk_reduction=True),
+    "no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
     "decode-is-fa2": dict(backend=Backend.FA3, archs=(Arch.SM90A,)),
     "decode-head-dims": dict(head_dim_qk=192),
     "decode-no-custom-mask": dict(use_custom_mask=True),
     "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
-    "decode-no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
     "fa3-fp8-head-dims": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64),
     "fa2-fp8-kv-no-rope": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3, pos_encoding=PosEncoding.ROPE_LLAMA),
-    "prefill-no-fp16-qk-reduction": dict(kind=Kind.PREFILL, dtype_q=DType.FP16, dtype_kv=DType.FP16,
-                                         fp16_qk_reduction=True),
 }
 
 
@@ -89,9 +87,8 @@ def test_check_returns_every_violation_not_the_first(decode_spec):
 # FlashInfer #2148/#2536: fa3 cannot take fp8 KV with a 16-bit query (auto falls back to fa2).
 @pytest.mark.parametrize("dtype_q", [DType.BF16, DType.FP16])
 @pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
-@pytest.mark.parametrize("kind", list(Kind))
-def test_fa3_refuses_fp8_kv_with_16bit_q_but_fa2_does_not(decode_spec, dtype_q, dtype_kv, kind):
-    base = replace(decode_spec, kind=kind, dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_q)
+def test_fa3_refuses_fp8_kv_with_16bit_q_but_fa2_does_not(decode_spec, dtype_q, dtype_kv):
+    base = replace(decode_spec, kind=Kind.PREFILL, dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_q)
     fa3 = replace(base, backend=Backend.FA3, archs=(Arch.SM90A,))
     fa2 = replace(base, backend=Backend.FA2, archs=(Arch.SM80,))
     assert "fa3-fp8-kv-needs-fp8-q" in [r.id for r in check(fa3)]
@@ -135,3 +132,72 @@ def test_fp8_output_is_refused(decode_spec, dtype_o, backend):
     spec = replace(decode_spec, backend=backend, dtype_o=dtype_o)
     assert "o-not-fp8" in [r.id for r in check(spec)]
     assert "o-not-fp8" in str(pytest.raises(UnsupportedSpecError, ensure_valid, spec).value)
+
+
+# One rule per cause (issue 39): the rules printed together never give advice that contradicts another's.
+@st.composite
+def any_spec(draw) -> KernelSpec:
+    dims = draw(st.sampled_from([(64, 64), (128, 128), (256, 256), (192, 128), (96, 96)]))
+    return KernelSpec(
+        kind=draw(st.sampled_from(list(Kind))), backend=draw(st.sampled_from(list(Backend))),
+        dtype_q=draw(st.sampled_from(list(DType))), dtype_kv=draw(st.sampled_from(list(DType))),
+        dtype_o=draw(st.sampled_from(list(DType))), head_dim_qk=dims[0], head_dim_vo=dims[1],
+        pos_encoding=draw(st.sampled_from(list(PosEncoding))), use_sliding_window=draw(st.booleans()),
+        use_logits_soft_cap=draw(st.booleans()), use_custom_mask=draw(st.booleans()),
+        fp16_qk_reduction=draw(st.booleans()),
+        archs=tuple(draw(st.sets(st.sampled_from(list(Arch)), max_size=3))))
+
+
+@settings(max_examples=400, deadline=None)
+@given(any_spec())
+def test_a_family_rule_fires_only_on_its_own_family(spec):
+    """A rule named for a kernel family (fa2-, fa3-, decode-, prefill-) describes that family; it never refuses a
+    spec of another one (as when fa3 specs were refused by "the fa2 prefill kernel"). fa3 is a prefill family, so
+    an fa3 decode spec gets decode-is-fa2 and the decode rules, never fa3 advice on top."""
+    for rule in check(spec):
+        if rule.id.startswith("fa2-"):
+            assert spec.backend is Backend.FA2, rule.id
+        if rule.id.startswith("fa3-"):
+            assert spec.backend is Backend.FA3 and spec.kind is Kind.PREFILL, rule.id
+        if rule.id.startswith("decode-"):
+            assert spec.kind is Kind.DECODE, rule.id
+        if rule.id.startswith("prefill-"):
+            assert spec.kind is Kind.PREFILL, rule.id
+
+
+@settings(max_examples=400, deadline=None)
+@given(any_spec())
+def test_exclusive_causes_give_one_rule(spec):
+    ids = {rule.id for rule in check(spec)}
+    assert len(ids & {"fa3-needs-sm90a", "fa3-only-sm90a"}) <= 1
+    assert len(ids & {"fa3-head-dims", "fa3-fp8-head-dims"}) <= 1
+    assert sum("fp16" in rule.message or "fp16_qk" in rule.suggestion for rule in check(spec)
+               if "qk" in rule.id) <= 1
+
+
+def test_fa3_for_sm80_gets_one_arch_rule(decode_spec):
+    """Issue 39: fa3 with --arch 80 printed fa3-needs-sm90a ("add sm90a") and fa3-only-sm90a ("only sm90a")."""
+    spec = replace(decode_spec, **{**FA3, "archs": (Arch.SM80,)})
+    (rule,) = check(spec)
+    assert rule.id == "fa3-needs-sm90a"
+    assert "add sm90a" not in rule.suggestion and "sm90a alone" in rule.suggestion
+    mixed = replace(spec, archs=(Arch.SM80, Arch.SM90A))
+    assert [r.id for r in check(mixed)] == ["fa3-only-sm90a"]
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+@pytest.mark.parametrize("backend", list(Backend))
+@pytest.mark.parametrize("dtype", [DType.FP16, DType.BF16])
+def test_fp16_qk_reduction_is_one_rule_that_names_no_family(decode_spec, kind, backend, dtype):
+    """Issue 39: four rules refused it (one naming "the fa2 prefill kernel" on fa3); no kernel has the path."""
+    archs = FA3["archs"] if backend is Backend.FA3 else (Arch.SM80,)
+    spec = replace(decode_spec, kind=kind, backend=backend, archs=archs, dtype_q=dtype, dtype_kv=dtype, dtype_o=dtype,
+                   fp16_qk_reduction=True)
+    qk_rules = [r for r in check(spec) if "qk" in r.id]
+    assert [r.id for r in qk_rules] == ["no-fp16-qk-reduction"]
+    assert "fa2" not in qk_rules[0].message and "fa3" not in qk_rules[0].message
+
+
+def test_fa3_decode_is_refused_by_decode_is_fa2_without_fa3_advice(decode_spec):
+    spec = replace(decode_spec, backend=Backend.FA3, archs=(Arch.SM80,), dtype_kv=DType.E4M3, use_custom_mask=True)
+    assert [r.id for r in check(spec)] == ["decode-is-fa2", "decode-no-custom-mask"]
