@@ -53,6 +53,11 @@ class ManifestError(ValueError):
     pass
 
 
+def _key(key: str) -> str:
+    """A table key as TOML writes it: bare when it can be, else quoted (so the message stays one line)."""
+    return key if key and all(c.isalnum() or c in "_-" for c in key) and key.isascii() else json.dumps(key)
+
+
 def _show(value) -> str:
     """A value as it reads in TOML: "128" (a string), 128, true, [64, "x"], a table."""
     if isinstance(value, bool):
@@ -62,7 +67,7 @@ def _show(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_show(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "a table {" + ", ".join(f"{k} = {_show(v)}" for k, v in value.items()) + "}"
+        return "a table {" + ", ".join(f"{_key(k)} = {_show(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
