@@ -42,6 +42,34 @@ def vector_aligned(x: torch.Tensor, name: str) -> None:
                          f"aligned storage), got strides {tuple(x.stride())} at address {x.data_ptr():#x}")
 
 
+def cuda_tensor(x, name: str) -> torch.Tensor:
+    """A tensor on a CUDA device (where the kernels read it)."""
+    tensor(x, name)
+    if not x.is_cuda:
+        raise ValueError(f"{name}: expected a CUDA tensor (the kernels read it on the GPU), got one on {x.device}")
+    return x
+
+
+def cuda_device(value, name: str = "device") -> torch.device:
+    """A CUDA device with its index, from a torch.device, a string or an index; None is the current
+    CUDA device."""
+    if value is None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: None means the current CUDA device, but CUDA is not available here")
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name}: expected a CUDA device (torch.device, 'cuda:N' or an index), got {value!r}") from None
+    if device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA device (the kernels run there), got {device}")
+    if device.index is None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: {device} means the current CUDA device, but CUDA is not available here")
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def host_int32(x, name: str, length: int | None = None) -> torch.Tensor:
     """A 1-D int32 tensor on the host. A CUDA tensor is copied over (which waits for the GPU:
     pass host tensors, as FlashInfer users do, to keep plan() asynchronous)."""
@@ -52,28 +80,69 @@ def host_int32(x, name: str, length: int | None = None) -> torch.Tensor:
         raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
     if length is not None and x.numel() != length:
         raise ValueError(f"{name}: expected {length} entries, got {x.numel()}")
+    int_in(x.numel(), f"{name} entries", 0, INT32_MAX, "the planner indexes it with int32")
     return x.to("cpu").contiguous() if x.is_cuda else x.contiguous()
 
 
-def positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+# The kernels' parameter and plan-argument structs hold sizes, counts and token positions in int32
+# fields (codegen/abi.py): a larger Python int would wrap there, silently (2**32 + 16 becomes 16).
+INT32_MAX = 2**31 - 1
+INT32 = "int32 field of the kernel"
+MAX_GRID_Y = 65535
+GRID_Y = "CUDA grid y dimension"
+
+
+def int_in(value, name: str, lo: int, hi: int, why: str = INT32) -> int:
+    """An int (not a bool) in [lo, hi]; `why` says where the bound comes from."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi}] ({why}), got {value!r}")
     return value
+
+
+def positive_int(value, name: str, hi: int = INT32_MAX, why: str = INT32) -> int:
+    return int_in(value, name, 1, hi, why)
 
 
 def heads(num_qo_heads, num_kv_heads) -> tuple[int, int]:
     """Query and kv head counts; the query heads must split evenly into GQA groups."""
-    num_qo_heads = positive_int(num_qo_heads, "num_qo_heads")
-    num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+    # Kernels launch a grid row per kv head (and the merge one per few query heads): CUDA's grid y
+    # holds at most 65535, below the heads' int32 fields.
+    num_qo_heads = positive_int(num_qo_heads, "num_qo_heads", MAX_GRID_Y, GRID_Y)
+    num_kv_heads = positive_int(num_kv_heads, "num_kv_heads", MAX_GRID_Y, GRID_Y)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     return num_qo_heads, num_kv_heads
 
 
 def window_left(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-        raise ValueError(f"window_left: expected -1 (no window) or a non-negative int, got {value!r}")
-    return value
+    return int_in(value, "window_left", -1, INT32_MAX, f"-1: no window; {INT32}")
+
+
+def int32_times(value, name: str, factor: int, why: str, lo: int = 1) -> int:
+    """An int whose product with `factor` the kernel addresses in int32 (a derived count: tokens
+    of pages, packed query rows): bounded by INT32_MAX // factor, `why` saying what the product is."""
+    return int_in(value, name, lo, INT32_MAX // max(factor, 1), f"{why}: int32 in the kernel")
+
+
+def times_longest(value: int, name: str, indptr: torch.Tensor, unit: str, product: str) -> None:
+    """`value` times each request's span of a host int32 indptr (its pages, its query tokens) is a
+    per-request count the kernel holds in int32. O(1) when the whole batch's span fits; else one
+    pass over the requests finds the longest."""
+    total = int(indptr[-1]) - int(indptr[0])
+    if total * value <= INT32_MAX:
+        return
+    longest = int(indptr.diff().max())
+    int32_times(value, name, longest, f"times the longest request's {longest} {unit}, its {product}")
+
+
+def plan_image_size(size: int, capacity: int) -> int:
+    """The plan image's int32 entries: the planner's offsets and image_size are int32 fields (only a
+    tiny fixed_split_size over a huge batch reaches this)."""
+    if size > INT32_MAX:
+        raise ValueError(f"plan(): the plan image needs {size} int32 entries ({capacity} work items), expected at most "
+                         f"{INT32_MAX} (its offsets are int32 fields of the kernel); use a larger fixed_split_size or "
+                         "split the batch")
+    return size
 
 
 def soft_cap(value) -> float:
@@ -93,10 +162,11 @@ def positive_float(value, name: str, default: float) -> float:
     return float(value)
 
 
-def split_size(value) -> None:
-    """fixed_split_size: None or -1 (automatic), else a positive number of pages."""
+def split_size(value, page_size: int = 1) -> None:
+    """fixed_split_size: None or -1 (automatic), else a positive number of pages whose tokens
+    (times page_size) fit the planner's int32 fixed_split_tokens."""
     if value is not None and value != -1:
-        positive_int(value, "fixed_split_size")
+        int32_times(value, "fixed_split_size", page_size, f"times page_size={page_size}, the kv tokens of a chunk")
 
 
 def run_extras(planned_window_left: int, enable_pdl, window_left, sinks, kernel: str) -> None:

@@ -97,11 +97,12 @@ def _max_ctas(module: Module, heads: int, device_index: int) -> int:
 
 def decode_workspace_size(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, device=None) -> int:
     """Bytes of float workspace that any decode plan of this shape fits in (split-KV partials).
-    Use it to size `float_workspace_buffer`; plan() reports the exact need when a buffer is short."""
+    Use it to size `float_workspace_buffer`; plan() reports the exact need when a buffer is short.
+    device: a CUDA device (None: the current one), whose SM count bounds the split."""
     checks.positive_int(batch_size, "batch_size")
-    checks.positive_int(num_kv_heads, "num_kv_heads")
-    device = torch.device(device if device is not None else "cuda")
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    num_qo_heads, num_kv_heads = checks.heads(num_qo_heads, num_kv_heads)
+    checks.positive_int(head_dim, "head_dim")
+    index = checks.cuda_device(device).index
     group = num_qo_heads // num_kv_heads
     _, tiles = heads_per_cta(max(group, 1))
     capacity = work_capacity(batch_size, num_sms(index) * MAX_CTAS_PER_SM_BOUND, num_kv_heads * tiles)
@@ -275,6 +276,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         knobs = self._knobs if reuse and self._knobs is not None and self._knobs.key == inputs.knobs_key() else None
         if knobs is None:
             knobs = check_knobs(inputs)
+        # A request's kv tokens, (pages - 1) * page_size + last_page_len, are int32 in the planner and kernels.
+        checks.times_longest(knobs.page_size, "page_size", indptr, "pages", "kv tokens")
         if reuse and knobs.page_size == 1:  # every last page holds its one token: no device read needed
             last_page_len = torch.ones(batch_size, dtype=torch.int32)
         else:
@@ -315,6 +318,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         row sees every key, as FlashInfer's bottom-right alignment has it)."""
         indptr = checks.host_int32(inputs.indptr if host_indptr is None else host_indptr, "indptr")
         q_len = inputs.q_len_per_req
+        # qo_indptr below is int32: the batch's query tokens must fit.
+        checks.int32_times(q_len, "q_len_per_req", indptr.numel() - 1, f"times batch_size={indptr.numel() - 1}, "
+                           "the batch's query tokens (qo_indptr)")
         if self._graph:
             if self._graph_q_len not in (None, q_len):
                 raise ValueError(f"q_len_per_req: this CUDA-graph wrapper was planned with {self._graph_q_len}, got "
@@ -350,7 +356,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             capacity = max(capacity, batch_size + -(-int(indptr[-1]) * page_size // fixed_tokens))
         if self._graph:
             self._graph_batch_size = batch_size
-        _, image_size = _layout(batch_size, capacity)
+        image_size = checks.plan_image_size(_layout(batch_size, capacity)[1], capacity)
         image_ptr, device_image_ptr = self._image_buffers(image_size)
 
         binding = module.binding
@@ -580,15 +586,12 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return compile_ops.single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale,
                                          v_scale, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
                                          return_lse)
-    for name, x, dims in (("q", q, 2), ("k", k, 3), ("v", v, 3)):
-        checks.tensor(x, name)
-        if x.dim() != dims:
-            raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(x.shape)}")
-    kv_cache.check_layout(kv_layout)
+    # Metadata checks first: a CPU tensor is named here, before any CUDA work.
+    kv_len, num_kv_heads = kv_cache.check_single(q, k, v, 2, kv_layout)
     if k.shape != v.shape:
         raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
     token_dim, head_dim_axis = (0, 1) if kv_layout == "NHD" else (1, 0)
-    kv_len, num_kv_heads, head_dim = k.shape[token_dim], k.shape[head_dim_axis], k.shape[2]
+    head_dim = k.shape[2]
 
     def as_pages(x: torch.Tensor) -> torch.Tensor:
         # [kv_len pages, 1 token, heads, head_dim], whatever the source layout.

@@ -47,8 +47,7 @@ def check_q_len(q_len_per_req, is_causal, tensor_cores: bool) -> int:
     """FlashInfer's multi-token decode (speculative verification): each request has q_len_per_req
     query tokens, causal among them, on the tensor-core path only; is_causal follows from it and may
     only be given at that value."""
-    if isinstance(q_len_per_req, bool) or not isinstance(q_len_per_req, int) or q_len_per_req < 1:
-        raise ValueError(f"q_len_per_req: expected a positive int, got {q_len_per_req!r}")
+    checks.positive_int(q_len_per_req, "q_len_per_req", why="query tokens per request; int32 in the plan")
     if is_causal is not None and bool(is_causal) != (q_len_per_req > 1):
         raise ValueError(f"is_causal={is_causal!r}: decode is causal exactly when q_len_per_req > 1 (here "
                          f"{q_len_per_req}); leave it None")
@@ -122,7 +121,7 @@ def check_knobs(inputs: DecodePlanInputs) -> DecodeKnobs:
     num_qo_heads, num_kv_heads = checks.heads(inputs.num_qo_heads, inputs.num_kv_heads)
     head_dim = checks.positive_int(inputs.head_dim, "head_dim")
     page_size = checks.positive_int(inputs.page_size, "page_size")
-    checks.split_size(inputs.fixed_split_size)
+    checks.split_size(inputs.fixed_split_size, page_size)
     dtype_q, dtype_kv, dtype_o = dispatch.planned_dtypes(inputs.q_data_type, inputs.kv_data_type, inputs.o_data_type)
     return DecodeKnobs(
         key=inputs.knobs_key(), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

@@ -54,6 +54,8 @@ def split_paged(paged_kv_cache, kv_layout: str, page_size: int, num_kv_heads: in
     if k_cache.shape[0] != v_cache.shape[0]:
         raise ValueError(f"paged_kv_cache: k and v caches must hold the same number of pages, got "
                          f"{k_cache.shape[0]} and {v_cache.shape[0]}")
+    # Checked once per cache form (run_args.Accepted), so run()'s steady state pays nothing for it.
+    checks.int_in(k_cache.shape[0], "paged_kv_cache pages", 0, checks.INT32_MAX, "num_pages, an int32 field of the kernel")
     return k_cache, v_cache
 
 
@@ -88,6 +90,7 @@ def check_page_ids(indices, name: str) -> None:
     checks.dtype(indices, name, torch.int32)
     if indices.dim() != 1:
         raise ValueError(f"{name}: expected a 1-D tensor of page ids, got shape {tuple(indices.shape)}")
+    checks.int_in(indices.numel(), f"{name} entries", 0, checks.INT32_MAX, "num_indices, an int32 field of the planner")
 
 
 def stage_page_ids(indices: torch.Tensor, used: int, device: torch.device, name: str,
@@ -114,3 +117,32 @@ def stage_page_ids(indices: torch.Tensor, used: int, device: torch.device, name:
     if indices.is_cuda:  # already on the workspace's device: skip the no-op .to() dispatch
         return indices.contiguous(), host_max
     return indices.to(device, non_blocking=True).contiguous(), host_max
+
+
+def check_single(q, k, v, q_dims: int, kv_layout: str) -> tuple[int, int]:
+    """The single_* helpers' q ([qo_len,] num_qo_heads, head_dim_qk) and contiguous k/v
+    ([kv_len, num_kv_heads, head_dim] NHD, heads first HND), checked from metadata alone before any
+    CUDA work: tensors of the right rank on one CUDA device, k and v of one dtype, kv length and
+    heads, q's head dim k's. Returns (kv_len, num_kv_heads)."""
+    for name, x, dims in (("q", q, q_dims), ("k", k, 3), ("v", v, 3)):
+        checks.tensor(x, name)
+        if x.dim() != dims:
+            raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(x.shape)}")
+    check_layout(kv_layout)
+    checks.cuda_tensor(q, "q")
+    for name, x in (("k", k), ("v", v)):
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got one on {x.device}")
+    if v.dtype != k.dtype:
+        raise ValueError(f"v: expected k's dtype {k.dtype}, got {v.dtype}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k, v: expected the same kv length and heads ({kv_layout}), got shapes {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[2]:
+        raise ValueError(f"q: expected head dim {k.shape[2]} (k's), got shape {tuple(q.shape)}")
+    kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
+    # kv_len becomes an int32 kv_indptr entry (single decode: a page count, one token per page).
+    checks.int_in(kv_len, "k", 0, checks.INT32_MAX, f"kv length ({kv_layout}); int32 in the plan")
+    if q_dims == 3:  # qo_indptr is int32 too
+        checks.int_in(q.shape[0], "q", 0, checks.INT32_MAX, "query tokens; int32 in the plan")
+    return kv_len, num_kv_heads

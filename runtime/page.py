@@ -23,7 +23,7 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     at 0 (so a request with no pages reports its last_page_len, as FlashInfer's does)."""
     checks.tensor(kv_indptr, "kv_indptr")
     checks.tensor(kv_last_page_len, "kv_last_page_len")
-    checks.positive_int(page_size, "page_size")
+    checks.positive_int(page_size, "page_size", why="the int32 lengths are pages times page_size")
     if kv_last_page_len.shape != (kv_indptr.numel() - 1,):
         raise ValueError(f"kv_last_page_len: expected shape ({kv_indptr.numel() - 1},) (batch_size, one less than "
                          f"kv_indptr), got {tuple(kv_last_page_len.shape)}")
@@ -49,8 +49,7 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     the appended tokens). Entries at or past append_indptr[-1] get batch index -1 and position 0."""
     checks.tensor(append_indptr, "append_indptr")
     checks.tensor(seq_lens, "seq_lens")
-    if isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < 0:
-        raise ValueError(f"nnz: expected a non-negative int, got {nnz!r}")
+    checks.int_in(nnz, "nnz", 0, checks.INT32_MAX, "entries of the int32 batch_indices and positions")
     if append_indptr.dim() != 1 or seq_lens.shape != (append_indptr.numel() - 1,):
         raise ValueError(f"seq_lens: expected shape (batch_size,) = ({append_indptr.numel() - 1},) for append_indptr "
                          f"of shape {tuple(append_indptr.shape)}, got {tuple(seq_lens.shape)}")

@@ -31,6 +31,7 @@ from .prefill_plan_steps import (
     PlanRequest,
     build_params,
     carve_workspace,
+    check_bounds,
     check_options,
     check_request,
     one_token_requests,
@@ -111,6 +112,7 @@ class _BatchPrefillWrapper:
     def _plan_batch(self, request: PlanRequest, options: KernelOptions) -> None:
         """Resolve the module, stage the page ids, schedule through the module's C++ planner, stage the
         mask and the workspace, upload the image: the steps of prefill_plan_steps, in order."""
+        check_bounds(request, options)
         self._planned = (request, options)
         device_index = cuda_index(self._device)
         module = resolve_module(self._backend, request, options, device_index)
@@ -463,17 +465,13 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                           causal, kv_layout, pos_encoding_mode, use_fp16_qk_reduction, sm_scale,
                                           window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse,
                                           kv_cache_sf, k_scale, v_scale)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.tensor(x, name)
-        if x.dim() != 3:
-            raise ValueError(f"{name}: expected a 3-D tensor, got shape {tuple(x.shape)}")
-    kv_cache.check_layout(kv_layout)
+    # Metadata checks first: a CPU tensor is named here, before any CUDA work.
+    kv_len, num_kv_heads = kv_cache.check_single(q, k, v, 3, kv_layout)
     if kv_cache_sf is not None:
         raise ValueError("kv_cache_sf: per-(token, head) KV scale factors are not supported; leave it None")
     k_scale, v_scale = checks.scale(k_scale, "k_scale"), checks.scale(v_scale, "v_scale")
     if k_scale is not None:
         sm_scale = checks.positive_float(sm_scale, "sm_scale", 1.0 / math.sqrt(q.shape[2])) * k_scale
-    kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
     workspace = _single_workspaces.get(q.device)
     if workspace is None:
         workspace = _single_workspaces[q.device] = torch.empty(SINGLE_WORKSPACE_BYTES, dtype=torch.uint8,

@@ -2,6 +2,7 @@
 
     check_request    validate the batch description (host index arrays, heads, head dims, page size)
     check_options    validate the kernel options (masks, scales, window, soft cap, dtypes, split)
+    check_bounds     int32 bounds that need the batch and the options together
     resolve_module   the kernel spec they select, its module built on first use
     schedule         size the plan image and run the module's C++ planner into its host buffer
     stage_mask       the custom mask bit-packed on the device, its byte offsets in the image
@@ -98,6 +99,11 @@ def check_request(*, paged: bool, qo_indptr, kv_indptr, indices, last_page_len, 
     page_size = checks.positive_int(page_size, "page_size")
     if paged:
         last_page_len = checks.host_int32(last_page_len, "paged_kv_last_page_len", batch_size)
+        # A request's kv tokens, (pages - 1) * page_size + last_page_len, are int32 in the plan image and kernels.
+        checks.times_longest(page_size, "page_size", kv_indptr, "pages", "kv tokens")
+    # The kernels fold the GQA group into the query rows: qo_len * group packed rows, int32 in the kernels.
+    checks.times_longest(num_qo_heads // num_kv_heads, "num_qo_heads / num_kv_heads", qo_indptr, "query tokens",
+                         "packed query rows")
     return PlanRequest(paged, qo_indptr, kv_indptr, indices, last_page_len, batch_size, int(qo_indptr[-1]),
                        int(kv_indptr[-1]), num_qo_heads, num_kv_heads, num_qo_heads // num_kv_heads, head_dim_qk,
                        head_dim_vo, page_size)
@@ -124,6 +130,18 @@ def check_options(*, head_dim_qk: int, custom_mask, packed_custom_mask, causal, 
                          use_custom_mask=use_custom_mask, custom_mask=custom_mask,
                          packed_custom_mask=packed_custom_mask, fixed_split_size=fixed_split_size,
                          disable_split_kv=bool(disable_split_kv))
+
+
+def check_bounds(request: PlanRequest, options: KernelOptions) -> None:
+    """Bounds that need the batch and the options together: a chunk's kv tokens (fixed_split_size
+    times page_size) and the window's lower edge, a query position (down to minus the request's
+    query tokens, for causal prompts longer than their kv) minus window_left, are int32 in the
+    kernels. O(1) unless the window is within a batch's query tokens of INT32_MAX."""
+    checks.split_size(options.fixed_split_size, request.page_size)
+    if options.window_left > checks.INT32_MAX - request.total_q:
+        longest = int(request.qo_indptr.diff().max())
+        checks.int_in(options.window_left, "window_left", -1, checks.INT32_MAX - longest,
+                      f"-1: no window; the kernels subtract it from query positions down to -{longest} in int32")
 
 
 @functools.cache
@@ -194,7 +212,7 @@ def schedule(module: Module, request: PlanRequest, options: KernelOptions, rows:
     off_mask_indptr = layout.size
     off_gathered_kv_indptr = off_mask_indptr + (batch_size + 1 if options.use_custom_mask else 0)
     off_vt_block = off_gathered_kv_indptr + (batch_size + 1 if may_gather else 0)
-    image_size = off_vt_block + (batch_size + 1 if may_transpose_v else 0)
+    image_size = checks.plan_image_size(off_vt_block + (batch_size + 1 if may_transpose_v else 0), capacity)
     image = plan_image.host_buffer(image_size)
 
     binding = module.binding
@@ -224,6 +242,9 @@ def stage_mask(request: PlanRequest, options: KernelOptions, sched: Schedule, de
     kv_lens = image[offsets["off_kv_len"]: offsets["off_kv_len"] + batch_size].to(torch.int64)
     bits = qo_lens * kv_lens
     custom_mask, packed_custom_mask = options.custom_mask, options.packed_custom_mask
+    # The image's mask_indptr holds each request's first byte as int32.
+    checks.int_in(int(((bits + 7) // 8).sum()), "custom_mask" if custom_mask is not None else "packed_custom_mask",
+                  0, checks.INT32_MAX, "bytes packed, sum(ceil(qo_len * kv_len / 8)); mask_indptr is int32 in the plan")
     if custom_mask is not None:
         checks.tensor(custom_mask, "custom_mask")
         flat = custom_mask.reshape(-1)

@@ -160,7 +160,7 @@ def test_decode_plan_accepts_neutral_values_and_names_the_rest(monkeypatch):
     wrapper.plan(*PAGE_TABLE, 8, 2, 128, 16, q_len_per_req=1, window_right=0, is_causal=None)
     assert len(calls) == 1
     for kwargs, text in ((dict(q_len_per_req=2), "q_len_per_req=2: .*use_tensor_cores=True"),
-                         (dict(q_len_per_req=0), "q_len_per_req: expected a positive int, got 0"),
+                         (dict(q_len_per_req=0), r"q_len_per_req: expected an int in \[1, 2147483647\] .*, got 0"),
                          (dict(is_causal=True), "is_causal=True: decode is causal exactly when q_len_per_req > 1"),
                          (dict(window_right=3), "window_right"), (dict(use_token_head_sf=True), "use_token_head_sf"),
                          (dict(block_tables=torch.zeros(1, 1)), "block_tables")):

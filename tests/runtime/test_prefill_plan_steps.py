@@ -57,8 +57,8 @@ def test_request_derives_batch_totals_and_group():
     (dict(paged=False, kv_indptr=torch.tensor([0, 3], dtype=torch.int32)), "kv_indptr: expected 4 entries, got 2"),
     (dict(indices=torch.arange(11)), "paged_kv_indices"),
     (dict(num_qo_heads=6, num_kv_heads=4), "num_qo_heads=6 must be a multiple of num_kv_heads=4"),
-    (dict(head_dim_vo=0), "head_dim_vo: expected a positive int, got 0"),
-    (dict(page_size=0), "page_size: expected a positive int, got 0"),
+    (dict(head_dim_vo=0), r"head_dim_vo: expected an int in \[1, 2147483647\] \(int32 field of the kernel\), got 0"),
+    (dict(page_size=0), r"page_size: expected an int in \[1, 2147483647\] \(int32 field of the kernel\), got 0"),
     (dict(last_page_len=torch.ones(2, dtype=torch.int32)), "paged_kv_last_page_len: expected 3 entries, got 2"),
 ])
 def test_request_errors_name_the_argument(overrides, text):
@@ -88,9 +88,9 @@ def test_a_custom_mask_wins_over_causal():
     (dict(custom_mask=torch.ones(1, dtype=torch.bool), packed_custom_mask=torch.ones(1, dtype=torch.uint8)),
      "custom_mask, packed_custom_mask: pass one of them, not both"),
     (dict(use_fp16_qk_reduction=True), "use_fp16_qk_reduction: the prefill kernels accumulate q.k in fp32"),
-    (dict(window_left=-2), "window_left: expected -1"),
+    (dict(window_left=-2), r"window_left: expected an int in \[-1, 2147483647\] \(-1: no window"),
     (dict(sm_scale=0.0), "sm_scale: expected a positive float or None, got 0.0"),
-    (dict(fixed_split_size=0), "fixed_split_size: expected a positive int, got 0"),
+    (dict(fixed_split_size=0), r"fixed_split_size: expected an int in \[1, 2147483647\]"),
     (dict(pos_encoding_mode="ROPE"), "pos_encoding_mode: expected one of"),
 ])
 def test_options_errors_name_the_argument(overrides, text):
