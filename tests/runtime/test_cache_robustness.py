@@ -304,7 +304,12 @@ def test_killed_build_leaves_no_compiler_and_the_next_build_succeeds(tmp_path, m
     assert len(ninja) == 1 and len(compilers) == 4
     os.kill(proc.pid, sig)
     if sig == signal.SIGINT:
-        assert "interrupted\n" in iter(proc.stdout.readline, "")  # lines until it says so (or exits)
+        seen = []
+        for line in iter(proc.stdout.readline, ""):  # lines until it says so (or exits)
+            seen.append(line)
+            if line == "interrupted\n":
+                break
+        assert seen and seen[-1] == "interrupted\n", f"the build process said: {''.join(seen)!r}"
     _wait_for(lambda: not any(_alive(pid) for pid in ninja + compilers), 10, "ninja and its compilers to exit")
     proc.kill()
     proc.communicate(timeout=30)
