@@ -74,7 +74,7 @@ def decode_rows(args) -> list[PdlRow]:
     for kv_len in DECODE_KV_LENS:
         problem = make_problem(DECODE_BATCH, kv_len, "NHD")
         for path, options in paths.items():
-            def make_run(pdl, options=options):
+            def make_run(pdl, options=options, problem=problem):
                 batch = DECODE_BATCH
                 wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
                     torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
@@ -102,7 +102,7 @@ def prefill_rows(args) -> list[PdlRow]:
     problem = make_problem(PREFILL_BATCH, PREFILL_LEN)
     rows = []
     for paged in (True, False):
-        def make_run(pdl, paged=paged):
+        def make_run(pdl, paged=paged, problem=problem):
             workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
             out = torch.empty(problem.q.shape, dtype=problem.q.dtype, device="cuda")
             if paged:
