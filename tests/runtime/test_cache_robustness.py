@@ -269,9 +269,12 @@ def _children(pid: int) -> list[int]:
 
 def _build_in_subprocess(env: dict) -> subprocess.Popen:
     code = textwrap.dedent("""
-        import json, sys, time
+        import json, signal, sys, time
         from attnforge.build import build
         from attnforge.codegen.spec import KernelSpec
+        # Ctrl-C raises KeyboardInterrupt even where the runner started us with SIGINT ignored (a
+        # background job of a non-interactive shell is; Python then keeps it ignored).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             print("built", build(KernelSpec.from_dict(json.loads(sys.argv[1]))))
         except KeyboardInterrupt:
