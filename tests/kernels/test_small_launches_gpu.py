@@ -46,19 +46,21 @@ def randn(gen: torch.Generator, *shape) -> torch.Tensor:
 
 def paged_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: list[int], page_size: int, dtype: torch.dtype,
                 gen: torch.Generator) -> Paged:
-    """k, v [total_kv, heads, dim] (fp32) written through append_paged_kv_cache into shuffled pages of a
-    NaN-filled pool, then cast to dtype."""
+    """k, v [total_kv, heads, dim] (fp32) written through append_paged_kv_cache into shuffled pages of
+    NaN-filled pools, then cast to dtype."""
     pages = [math.ceil(n / page_size) for n in kv_lens]
     pool = sum(pages) + 2
     ids = torch.randperm(pool, device=DEVICE, generator=gen)[: sum(pages)].to(torch.int32)
     indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     last = torch.tensor([n - (p - 1) * page_size for n, p in zip(kv_lens, pages)], dtype=torch.int32, device=DEVICE)
-    cache = tuple(torch.full((pool, page_size, *x.shape[1:]), math.nan, device=DEVICE) for x in (k, v))
+    # V pages take K's shape, viewed down to V's head dim: the kernels share one page stride
+    pools = [torch.full((pool, page_size, *k.shape[1:]), math.nan, device=DEVICE) for _ in range(2)]
+    dims = (k.shape[-1], v.shape[-1])
     kv_indptr = indptr_of(kv_lens).to(DEVICE)
     seq_lens = page.get_seq_lens(indptr, last, page_size)
     batch, positions = page.get_batch_indices_positions(kv_indptr, seq_lens, k.shape[0])
-    page.append_paged_kv_cache(k, v, batch, positions, cache, ids, indptr, last)
-    return Paged(tuple(x.to(dtype) for x in cache), indptr, ids, last, page_size)
+    page.append_paged_kv_cache(k, v, batch, positions, (pools[0], pools[1][..., : dims[1]]), ids, indptr, last)
+    return Paged(tuple(x.to(dtype)[..., :d] for x, d in zip(pools, dims)), indptr, ids, last, page_size)
 
 
 def indptr_of(lens: list[int]) -> torch.Tensor:
