@@ -124,7 +124,7 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
                                                                                     rounding_mode="floor")
     page = kv_indices.to(device=device, dtype=torch.int64)[page_slot.clamp(0, kv_indices.numel() - 1)]
     slot = position % page_size
-    any_valid = valid[first]
+    any_valid = valid.any()  # a tensor: indexing valid by `first` would read it on the host
     for cache, values in ((k_cache, append_key), (v_cache, append_value)):
         by_token = cache if kv_layout == "NHD" else cache.transpose(1, 2)  # [pages, page_size, heads, dim] view
         current = by_token[page, slot]

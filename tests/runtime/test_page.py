@@ -92,6 +92,38 @@ def test_append_paged_kv_cache_matches_reference(layout, single_tensor):
     assert not torch.equal(k_cache, original_k)  # the append wrote something
 
 
+@pytest.mark.gpu
+def test_append_is_captured_in_a_cuda_graph_and_replays():
+    """Positions and the append, captured in a CUDA graph (so neither reads a device value on the host),
+    replayed with new keys and lengths: the cache equals the token-by-token reference."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    page_size, heads, dim, num_pages, nnz = 4, 2, 8, 12, 12
+    indices = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
+    indptr = _indptr([4, 4, 4]).cuda()
+    last = torch.full((3,), page_size, dtype=torch.int32, device="cuda")
+    append_indptr, seq_lens = _indptr([3, 6, 1]).cuda(), torch.tensor([10, 16, 2], dtype=torch.int32, device="cuda")
+    key, value = (torch.randn(nnz, heads, dim, device="cuda", generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(num_pages, page_size, heads, dim, device="cuda", generator=gen) for _ in range(2))
+
+    def append():
+        batch, positions = page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
+        page.append_paged_kv_cache(key, value, batch, positions, (k_cache, v_cache), indices, indptr, last)
+        return batch, positions
+
+    append()  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        batch, positions = append()
+    append_indptr.copy_(_indptr([1, 2, 5]))
+    seq_lens.copy_(torch.tensor([16, 3, 9]))
+    key.normal_(generator=gen), value.normal_(generator=gen)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    graph.replay()
+    _reference_append(expected_k, expected_v, key, value, batch, positions, indices, indptr, "NHD")
+    assert batch.tolist()[:8] == [0, 1, 1, 2, 2, 2, 2, 2]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
 def test_append_only_padding_leaves_the_cache_alone():
     k_cache, v_cache = torch.randn(3, 4, 1, 8), torch.randn(3, 4, 1, 8)
     before = (k_cache.clone(), v_cache.clone())

@@ -44,8 +44,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) prefill_kernel(const __grid_co
     }
 #pragma unroll
     for (int s = 0; s < T::kStages; ++s) {
-      Barrier::init(&smem.k_full[s], 1);  // a TMA thread's or thread 0's for a gathered tile
-      Barrier::init(&smem.v_full[s], 1);
+      Barrier::init(&smem.k_full[s], kFullArrivals<T>);  // each gathering thread's, or one thread's for all
+      Barrier::init(&smem.v_full[s], kFullArrivals<T>);
       Barrier::init(&smem.k_empty[s], T::kConsumerThreads);
       Barrier::init(&smem.v_empty[s], T::kConsumerThreads);
     }

@@ -120,17 +120,18 @@ __device__ __forceinline__ TileBoxes tile_boxes(const KernelArgs<T>& args, const
 }
 
 // Each producer lane with a box copies its every 128-byte column block of one tile of `map` into
-// `tile`, element (row, col) at smem_offset(row, col). Thread 0 arms `full` with the whole tile's
-// bytes; other warps' copies may land first (the barrier's transaction count may run negative until
-// then, and its phase cannot complete before thread 0's arrival).
-template <typename T, int kDims, typename SmemOffset>
+// `tile`, element (row, col) at smem_offset(row, col). Thread 0 arms `full` (which expects
+// kArrivals) with the whole tile's bytes; other warps' copies may land first (the barrier's
+// transaction count may run negative until then, and its phase cannot complete before thread 0's
+// arrival).
+template <typename T, int kDims, uint32_t kArrivals, typename SmemOffset>
 __device__ __forceinline__ void box_tile(const CUtensorMap& map, const TileBoxes& boxes, int kv_head,
                                          uint8_t* tile, uint64_t* full, uint32_t bytes, SmemOffset smem_offset) {
   // K/V that the request's other q tiles reread stay in L2; a request of one q tile (decode) reads
   // them once, and they leave room for what is reread, the page ids among it.
   const auto hint = static_cast<uint64_t>(boxes.kv_read_once ? cute::TMA::CacheHintSm90::EVICT_FIRST
                                                              : cute::TMA::CacheHintSm90::EVICT_LAST);
-  if (threadIdx.x == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, bytes);
+  if (threadIdx.x == 0) arrive_for_all<kArrivals>(full, bytes);
   if (!boxes.boxing) return;
 #pragma unroll
   for (int col = 0; col < kDims; col += T::kLineElements) {
@@ -148,13 +149,13 @@ __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem
   using Element = typename T::Element;
   if (!boxes.warp_boxing) return;  // spinning on the stage's barriers would take issue slots from the consumers
   Barrier::wait(&smem.k_empty[stage], free_phase);
-  box_tile<T, T::kHeadDimQK>(args.k_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.k),
+  box_tile<T, T::kHeadDimQK, kFullArrivals<T>>(args.k_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.k),
                              &smem.k_full[stage], T::kTileBytesK, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutK, Element>(row, col, stage);
                              });
   if constexpr (!T::kFp8) {
     Barrier::wait(&smem.v_empty[stage], free_phase);
-    box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v),
+    box_tile<T, T::kHeadDimVO, kFullArrivals<T>>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v),
                                &smem.v_full[stage], T::kTileBytesV, [&](int row, int col) {
                                  return swizzled_offset<typename T::SmemLayoutVt, Element>(col, row, stage);
                                });
@@ -169,7 +170,7 @@ __device__ __forceinline__ void box_vt_tile(typename T::SharedStorage& smem, con
   if (threadIdx.x != 0) return;
   const auto evict_last = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);  // every q tile rereads it
   cutlass::arch::ClusterBarrier::wait(&smem.v_empty[stage], free_phase);
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.v_full[stage], T::kTileBytesV);
+  arrive_for_all<kFullArrivals<T>>(&smem.v_full[stage], T::kTileBytesV);
   cute::SM90_TMA_LOAD_4D::copy(&args.vt_blocks, &smem.v_full[stage], evict_last,
                                reinterpret_cast<uint8_t*>(smem.v) + stage * T::kTileBytesV, 0, 0, block, kv_head);
 }
@@ -179,19 +180,10 @@ __device__ __forceinline__ void box_vt_tile(typename T::SharedStorage& smem, con
 template <typename T>
 __device__ __forceinline__ void box_v_rows(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                            const TileBoxes& boxes, int buffer, int kv_head) {
-  box_tile<T, T::kHeadDimVO>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
+  box_tile<T, T::kHeadDimVO, 1>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
                              &smem.v_rows_full[buffer], T::kTileBytesV, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutVRows, typename T::Element>(row, col, buffer);
                              });
-}
-
-// The whole warpgroup's cp.async copies into a stage are done: count them on `full`, which
-// expects one arrival (a TMA tile's is its thread's): each thread's copies are added to the
-// pending count, and thread 0 arrives once all have been.
-__device__ __forceinline__ void arrive_gathered(uint64_t* full, int tid) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(common::smem_addr(full)));
-  cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrierProducer);
-  if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
 }
 
 // Whether any producer thread's `pred` holds (a barrier of the producer warpgroup).
@@ -316,7 +308,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     load_kv_tile<T, T::kCellsQK>(k_smem, k_head, tid, row_offset(p.kv_stride_page, p.kv_stride_token), [&](int row, int cell) {
       return swizzled_offset<typename T::SmemLayoutK, typename T::Element>(row, cell * T::kCellElements, stage);
     });
-    arrive_gathered(&smem.k_full[stage], tid);
+    cp_async_arrive_noinc(&smem.k_full[stage]);  // one of kFullArrivals
     if constexpr (T::kVtAhead) {
       box_vt(first, stage, free_phase);
       continue;
@@ -324,12 +316,12 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
     Barrier::wait(&smem.v_empty[stage], free_phase);
     if constexpr (T::kFp8) {
       load_v_tile_transposed<T>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), stage);
-      arrive_stored(&smem.v_full[stage], kBarrierProducer, tid);
+      arrive_stored<T>(&smem.v_full[stage], kBarrierProducer, tid);
     } else {
       load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), [&](int row, int cell) {
         return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * T::kCellElements, row, stage);
       });
-      arrive_gathered(&smem.v_full[stage], tid);
+      cp_async_arrive_noinc(&smem.v_full[stage]);
     }
   }
   if (!T::kClaimEarly || num_tiles <= T::kStages) claim_next();

@@ -67,6 +67,30 @@ struct PipelineCount {
   __device__ __forceinline__ void advance(int num_tiles) { tiles += num_tiles; }
 };
 
+// A stage's k_full / v_full barrier expects one arrival per producer thread (kFullArrivals): a
+// gathered tile's are its threads' cp.async copies, each counted as it lands (arrive-on .noinc, the
+// form compute-sanitizer's synccheck follows: the counting form, which ptxas lowers to a
+// transaction count per thread, it reports as a missing wait); a boxed or transposed tile's are one
+// thread's, for all (arrive_for_all).
+template <typename T>
+constexpr uint32_t kFullArrivals = T::kProducerThreads;
+
+__device__ __forceinline__ void arrive_count(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(common::smem_addr(bar)), "r"(count)
+               : "memory");
+}
+
+// One thread's arrival on `full` for all kArrivals, with `bytes` of TMA copies to come when non-zero.
+template <uint32_t kArrivals>
+__device__ __forceinline__ void arrive_for_all(uint64_t* full, uint32_t bytes = 0) {
+  if (bytes != 0) {
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, bytes);
+  } else {
+    cutlass::arch::ClusterBarrier::arrive(full);
+  }
+  if constexpr (kArrivals > 1) arrive_count(full, kArrivals - 1);
+}
+
 // Item `item`'s Q buffer (items with kv tiles alternate between T::kQBuffers): its tile, its
 // barriers and their phase for the item.
 template <typename T>

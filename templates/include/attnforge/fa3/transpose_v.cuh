@@ -117,10 +117,11 @@ __device__ __forceinline__ void load_v_tile_transposed(uint8_t* smem_base, const
 
 // The whole warpgroup's plain stores into a stage are done: made visible to the wgmma (async
 // proxy), the warpgroup met on its named barrier, then its thread 0 arrives on `full` for all.
+template <typename T>
 __device__ __forceinline__ void arrive_stored(uint64_t* full, int barrier, int tid) {
   cutlass::arch::fence_view_async_shared();
   cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
-  if (tid == 0) cutlass::arch::ClusterBarrier::arrive(full);
+  if (tid == 0) arrive_for_all<kFullArrivals<T>>(full);
 }
 
 // A boxed fp8 tile's V rows, once they and the stage are ready, transposed from their staging
@@ -134,7 +135,7 @@ __device__ __forceinline__ void transpose_staged_v(typename T::SharedStorage& sm
   cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_rows_full[buffer], (staged / T::kVStaging) & 1);
   cutlass::arch::ClusterBarrier::wait(&smem.v_empty[stage], free_phase);
   transpose_v_tile<T>(smem, buffer, stage, tid);
-  arrive_stored(&smem.v_full[stage], barrier, tid);
+  arrive_stored<T>(&smem.v_full[stage], barrier, tid);
   if (T::kDecodeItems && tid == 0) cutlass::arch::ClusterBarrier::arrive(&smem.v_rows_empty[buffer]);
 }
 
