@@ -42,6 +42,19 @@ def vector_aligned(x: torch.Tensor, name: str) -> None:
                          f"aligned storage), got strides {tuple(x.stride())} at address {x.data_ptr():#x}")
 
 
+def planned_tensor(x, name: str, expected_shape: tuple, layout: str, *, planned_dtype: torch.dtype, dtype_arg: str,
+                   on: torch.device) -> torch.Tensor:
+    """A tensor that run() hands a kernel as plan() described it: of `planned_dtype` (plan()'s
+    `dtype_arg`), on the plan's device `on`, of `expected_shape` (`layout` naming its dims), with
+    rows the kernel can move as 16-byte vectors."""
+    tensor(x, name)
+    dtype(x, name, planned_dtype, f"{dtype_arg} given to plan()")
+    device(x, name, on)
+    shape(x, name, expected_shape, layout)
+    vector_aligned(x, name)
+    return x
+
+
 def cuda_tensor(x, name: str) -> torch.Tensor:
     """A tensor on a CUDA device (where the kernels read it)."""
     tensor(x, name)

@@ -38,6 +38,7 @@ from .decode_inputs import (
     DecodeKnobs,
     DecodePlanInputs,
     check_knobs,
+    check_kv_covers_queries,
     check_q_len,
     refuse_extras,
     refuse_run_extras,
@@ -131,18 +132,6 @@ class _Plan:
     indices: torch.Tensor  # kept alive: the kernel reads it
     accepted: Accepted = field(default_factory=Accepted)  # tensor forms run() checked in full
     scales: tuple[float, float] = (1.0, 1.0)  # the (q_scale, k_scale) folded into params
-
-
-def _check_kv_covers_queries(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int, q_len: int) -> None:
-    """Multi-token decode: the q_len verified tokens are the last q_len keys of each request, so every
-    request holds at least that many (FlashInfer's rule)."""
-    last = checks.host_int32(last_page_len, "last_page_len", indptr.numel() - 1)
-    pages = indptr[1:] - indptr[:-1]
-    kv_lens = torch.where(pages > 0, (pages - 1) * page_size + last, 0)
-    short = int(kv_lens.argmin())
-    if int(kv_lens[short]) < q_len:
-        raise ValueError(f"q_len_per_req={q_len}: request {short} has {int(kv_lens[short])} KV tokens; each request's "
-                         "KV must include its q_len_per_req query tokens")
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -327,7 +316,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"{q_len}; it is part of the captured shape, so use one wrapper per q_len_per_req")
             self._graph_q_len = q_len
         if q_len > 1:
-            _check_kv_covers_queries(indptr, inputs.last_page_len, inputs.page_size, q_len)
+            check_kv_covers_queries(indptr, inputs.last_page_len, inputs.page_size, q_len)
         qo_indptr = torch.arange(indptr.numel(), dtype=torch.int32) * q_len
         if self._qo_indptr_buf is not None:
             self._qo_indptr_buf.copy_(qo_indptr, non_blocking=True)
@@ -452,16 +441,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if enable_pdl is not None or window_left is not None or sinks is not None:
             checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the decode kernel")
         accepted = plan.accepted
-        if not accepted.known(q):
-            self._check_q(q, plan)
+        accepted.ensure(q, self._check_q)
         cache = accepted.paged(paged_kv_cache, self._check_cache)
         if plan.host_max_page is not None and plan.host_max_page >= cache.num_pages:
             raise ValueError(f"indices: page id {plan.host_max_page} is out of range for a cache of "
                              f"{cache.num_pages} pages")
         if out is None:
             out = torch.empty(q.shape, dtype=plan.dtype_o, device=self._device)
-        elif not accepted.known(out):
-            accepted.add(output(out, "out", q.shape, plan.dtype_o, self._device, "same as q"))
+        else:
+            accepted.ensure(out, lambda out: output(out, "out", q.shape, plan.dtype_o, self._device, "same as q"))
         if return_lse:
             lse = lse_output(lse, q.shape[:2], self._device, "[batch_size, num_qo_heads]")
         scales = (q_scale or 1.0, k_scale or 1.0)
@@ -483,13 +471,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
 
-    def _check_q(self, q, plan: _Plan) -> None:
-        checks.tensor(q, "q")
-        checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
-        checks.device(q, "q", self._device)
-        checks.shape(q, "q", (plan.batch_size, plan.num_qo_heads, plan.head_dim), "[batch_size, num_qo_heads, head_dim]")
-        checks.vector_aligned(q, "q")
-        plan.accepted.add(q)
+    def _check_q(self, q) -> None:
+        plan = self._plan
+        checks.planned_tensor(q, "q", (plan.batch_size, plan.num_qo_heads, plan.head_dim),
+                              "[batch_size, num_qo_heads, head_dim]", planned_dtype=plan.dtype_q,
+                              dtype_arg="q_data_type", on=self._device)
 
     def _check_cache(self, paged_kv_cache):
         plan = self._plan

@@ -3,6 +3,7 @@
     resolve_data_type  FlashInfer's deprecated data_type: fills only the dtypes left None
     refuse_extras      plan() arguments FlashInfer has for features attnforge does not (yet) have
     check_q_len        q_len_per_req and is_causal, FlashInfer's multi-token decode arguments
+    check_kv_covers_queries  multi-token decode: every request's KV holds its query tokens
     DecodePlanInputs   plan()'s arguments as given: what fast_decode_plan and forward() plan again from
     DecodeKnobs        the checked, page-table-independent part: the module and scalars, reusable
                        by a re-plan whose only change is the page table (lengths)
@@ -20,7 +21,7 @@ import torch
 from attnforge.codegen.dtypes import DType
 from attnforge.codegen.spec import PosEncoding
 
-from . import checks, dispatch
+from . import checks, dispatch, kv_cache
 
 
 def resolve_data_type(q_data_type, kv_data_type, data_type):
@@ -55,6 +56,17 @@ def check_q_len(q_len_per_req, is_causal, tensor_cores: bool) -> int:
         raise ValueError(f"q_len_per_req={q_len_per_req}: several query tokens per request run on the tensor-core "
                          "decode path; construct the wrapper with use_tensor_cores=True")
     return q_len_per_req
+
+
+def check_kv_covers_queries(indptr: torch.Tensor, last_page_len, page_size: int, q_len: int) -> None:
+    """Multi-token decode: the q_len verified tokens are the last q_len keys of each request, so every
+    request holds at least that many (FlashInfer's rule). indptr: the checked host int32 indptr."""
+    last = checks.host_int32(last_page_len, "last_page_len", indptr.numel() - 1)
+    kv_lens = kv_cache.kv_lengths(indptr, last, page_size)
+    short = int(kv_lens.argmin())
+    if int(kv_lens[short]) < q_len:
+        raise ValueError(f"q_len_per_req={q_len}: request {short} has {int(kv_lens[short])} KV tokens; each request's "
+                         "KV must include its q_len_per_req query tokens")
 
 
 def refuse_run_extras(skip_softmax_threshold_scale_factor, kv_cache_sf) -> None:

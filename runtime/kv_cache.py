@@ -47,10 +47,8 @@ def split_paged(paged_kv_cache, kv_layout: str, page_size: int, num_kv_heads: in
     layout = ("[num_pages, page_size, num_kv_heads, head_dim]" if kv_layout == "NHD"
               else "[num_pages, num_kv_heads, page_size, head_dim]")
     for name, cache, head_dim in (("k_cache", k_cache, head_dim_qk), ("v_cache", v_cache, head_dim_vo)):
-        checks.dtype(cache, name, dtype, "kv_data_type given to plan()")
-        checks.device(cache, name, device)
-        checks.shape(cache, name, (cache.shape[0], *per_page, head_dim), f"{kv_layout}: {layout}")
-        checks.vector_aligned(cache, name)
+        checks.planned_tensor(cache, name, (cache.shape[0], *per_page, head_dim), f"{kv_layout}: {layout}",
+                              planned_dtype=dtype, dtype_arg="kv_data_type", on=device)
     if k_cache.shape[0] != v_cache.shape[0]:
         raise ValueError(f"paged_kv_cache: k and v caches must hold the same number of pages, got "
                          f"{k_cache.shape[0]} and {v_cache.shape[0]}")
@@ -70,14 +68,19 @@ def check_ragged(k: torch.Tensor, v: torch.Tensor, kv_layout: str, num_tokens: i
                  head_dim_qk: int, head_dim_vo: int, dtype: torch.dtype, device: torch.device) -> None:
     """k [tokens, heads, head_dim_qk] and v [tokens, heads, head_dim_vo] (NHD), or heads first
     (HND), with the planned sizes, dtype and device."""
+    layout = ("[kv_indptr[-1], num_kv_heads, head_dim]" if kv_layout == "NHD"
+              else "[num_kv_heads, kv_indptr[-1], head_dim]")
     for name, x, dim in (("k", k, head_dim_qk), ("v", v, head_dim_vo)):
-        checks.tensor(x, name)
-        checks.dtype(x, name, dtype, "kv_data_type given to plan()")
-        checks.device(x, name, device)
         expected = (num_tokens, num_kv_heads, dim) if kv_layout == "NHD" else (num_kv_heads, num_tokens, dim)
-        checks.shape(x, name, expected, "[kv_indptr[-1], num_kv_heads, head_dim]" if kv_layout == "NHD"
-                     else "[num_kv_heads, kv_indptr[-1], head_dim]")
-        checks.vector_aligned(x, name)
+        checks.planned_tensor(x, name, expected, layout, planned_dtype=dtype, dtype_arg="kv_data_type", on=device)
+
+
+def kv_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Each request's kv tokens, (pages - 1) * page_size + last_page_len, as int64 (no int32 wrap
+    before the planner's bounds check); a request with no pages holds 0 (unlike FlashInfer's
+    page.get_seq_lens, which reports its last_page_len)."""
+    pages = (indptr[1:] - indptr[:-1]).long()
+    return torch.where(pages > 0, (pages - 1) * page_size + last_page_len.long(), 0)
 
 
 def ragged_strides(k: torch.Tensor, kv_layout: str) -> tuple[int, int]:

@@ -90,12 +90,7 @@ def output(out, name: str, shape: tuple, dtype: torch.dtype, device: torch.devic
     """The caller's `out` checked against what plan() promised, or a new tensor."""
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    checks.tensor(out, name)
-    checks.dtype(out, name, dtype, "o_data_type given to plan()")
-    checks.device(out, name, device)
-    checks.shape(out, name, shape, why)
-    checks.vector_aligned(out, name)
-    return out
+    return checks.planned_tensor(out, name, shape, why, planned_dtype=dtype, dtype_arg="o_data_type", on=device)
 
 
 def lse_output(lse, shape: tuple, device: torch.device, why: str) -> torch.Tensor:

@@ -163,20 +163,13 @@ class _BatchPrefillWrapper:
         if args or plan.fp8_query or q_scale is not None or k_scale is not None or v_scale is not None:
             q_scale, k_scale, v_scale = checks.positional_scales(args, plan.fp8_query, q_scale, k_scale, v_scale)
             q_scale, k_scale, v_scale = self._scales(plan.fp8_query, q_scale, k_scale, v_scale)
-        if not accepted.known(q):
-            checks.tensor(q, "q")
-            checks.dtype(q, "q", plan.dtype_q, "q_data_type given to plan()")
-            checks.device(q, "q", self._device)
-            checks.shape(q, "q", (plan.total_q, plan.num_qo_heads, plan.head_dim_qk),
-                         "[qo_indptr[-1], num_qo_heads, head_dim_qk]")
-            checks.vector_aligned(q, "q")
-            accepted.add(q)
+        accepted.ensure(q, self._check_q)
         out_shape = (plan.total_q, plan.num_qo_heads, plan.head_dim_vo)
         if out is None:
             out = torch.empty(out_shape, dtype=plan.dtype_o, device=self._device)
-        elif not accepted.known(out):
-            accepted.add(output(out, "out", out_shape, plan.dtype_o, self._device,
-                                "[qo_indptr[-1], num_qo_heads, head_dim_vo]"))
+        else:
+            accepted.ensure(out, lambda out: output(out, "out", out_shape, plan.dtype_o, self._device,
+                                                    "[qo_indptr[-1], num_qo_heads, head_dim_vo]"))
         if return_lse:
             lse = lse_output(lse, (plan.total_q, plan.num_qo_heads), self._device, "[qo_indptr[-1], num_qo_heads]")
         params = plan.params
@@ -200,6 +193,12 @@ class _BatchPrefillWrapper:
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out
+
+    def _check_q(self, q) -> None:
+        plan = self._plan
+        checks.planned_tensor(q, "q", (plan.total_q, plan.num_qo_heads, plan.head_dim_qk),
+                              "[qo_indptr[-1], num_qo_heads, head_dim_qk]", planned_dtype=plan.dtype_q,
+                              dtype_arg="q_data_type", on=self._device)
 
     def _set_scales(self, scales: tuple[float, float]) -> None:
         """Fold (q_scale, k_scale) into the planned softmax scale; run() calls it only when they change."""

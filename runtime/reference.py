@@ -44,7 +44,7 @@ import torch
 
 from attnforge.codegen.spec import PosEncoding
 
-from . import checks
+from . import checks, kv_cache
 from .dispatch import parse_pos_encoding
 from .mask import unpackbits
 
@@ -94,10 +94,9 @@ def _pages_nhd(paged_kv_cache, kv_layout: str) -> tuple[torch.Tensor, torch.Tens
 
 
 def kv_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> list[int]:
-    """Per-request kv lengths in tokens; a request with no pages has length 0."""
-    pages = (indptr[1:] - indptr[:-1]).tolist()
-    last = last_page_len.tolist()
-    return [0 if n == 0 else (n - 1) * page_size + l for n, l in zip(pages, last)]
+    """Per-request kv lengths in tokens; a request with no pages has length 0 (the runtime's rule,
+    kv_cache.kv_lengths)."""
+    return kv_cache.kv_lengths(indptr.cpu(), last_page_len.cpu(), page_size).tolist()
 
 
 def gather_dense_kv(paged_kv_cache, indptr, indices, last_page_len, kv_layout: str = "NHD"):

@@ -48,6 +48,12 @@ class Accepted:
     def add(self, x: torch.Tensor) -> None:
         self._forms.add(form(x))
 
+    def ensure(self, x, check) -> None:
+        """check(x) (which raises for a bad x) unless x's form was accepted; then accept it."""
+        if not self.known(x):
+            check(x)
+            self.add(x)
+
     def paged(self, paged_kv_cache, check) -> PagedCache:
         """The cache's PagedCache. check(paged_kv_cache) -> (k_cache, v_cache, strides) runs the full
         checks the first time a form is seen (a (k, v) pair's forms, or one [pages, 2, ...] tensor's)."""

@@ -19,7 +19,7 @@ import torch
 
 import attnforge
 from attnforge import call_knobs, decode, prefill
-from attnforge.decode_inputs import DecodePlanInputs, resolve_data_type
+from attnforge.decode_inputs import DecodePlanInputs, check_kv_covers_queries, resolve_data_type
 from attnforge.decode_graph import fast_decode_plan
 from attnforge.plan_buffers import score_scales
 
@@ -194,10 +194,10 @@ def test_decode_run_q_len_must_be_the_planned_one():
 def test_multi_token_decode_needs_kv_holding_the_queries(indptr, last, q_len, bad):
     args = (torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), 16, q_len)
     if bad is None:
-        decode._check_kv_covers_queries(*args)
+        check_kv_covers_queries(*args)
         return
     with pytest.raises(ValueError, match=f"request {bad} has"):
-        decode._check_kv_covers_queries(*args)
+        check_kv_covers_queries(*args)
 
 
 def test_prefill_plan_refuses_unsupported_features_by_name(monkeypatch):
