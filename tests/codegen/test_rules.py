@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnforge.codegen.dtypes import DType
-from attnforge.codegen.rules import (FA2_PREFILL_HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
+from attnforge.codegen.rules import (FA2_FP8_KV_PREFILL_HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
                                       ensure_valid)
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 
@@ -111,7 +111,7 @@ def test_fa2_decode_accepts_a_16bit_query_with_an_fp8_cache(decode_spec, dtype_q
 
 @pytest.mark.parametrize("dtype_q", [DType.BF16, DType.FP16])
 @pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
-@pytest.mark.parametrize("dims", sorted(FA2_PREFILL_HEAD_DIMS))
+@pytest.mark.parametrize("dims", sorted(FA2_FP8_KV_PREFILL_HEAD_DIMS))
 @pytest.mark.parametrize("arch", [Arch.SM80, Arch.SM90A])
 def test_fa2_prefill_accepts_a_16bit_query_with_an_fp8_cache(decode_spec, dtype_q, dtype_kv, dims, arch):
     """The tensor-core prefill kernel widens fp8 K/V to the query's type in shared memory (issue 5),
