@@ -1,7 +1,7 @@
 """Batch prefill benchmark: attnforge FA2 and FA3 prefill (paged and ragged) vs torch SDPA, same run;
 and tensor-core vs CUDA-core decode.
 
-    python -m attnforge.benchmarks.prefill [--shapes 16x1024 4x4096 1x16384] [--head-dims 64 128 256]
+    python -m attnforge.benchmarks.prefill [--shapes 16x1024 4x4096 1x16384] [--head-dims 64 80 96 ... 256]
                                            [--out F.json]
 
 Prefill shape (the acceptance config): bf16, 32 query / 8 kv heads (head dim 256: 16 / 4), head
@@ -25,14 +25,17 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from attnforge.codegen.rules import HEAD_DIMS
+
 from . import _record
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_DIM = 128
-# (query, kv) heads per head dim: the acceptance configs
-HEADS_BY_HEAD_DIM = {64: (NUM_QO_HEADS, NUM_KV_HEADS), HEAD_DIM: (NUM_QO_HEADS, NUM_KV_HEADS), 256: (16, 4)}
+# (query, kv) heads per head dim: the acceptance configs (64, 128, 256), and every other head dim the
+# rules list for fa2 and fa3 prefill (equal qk/vo): 32 / 8 heads up to 128, 16 / 4 above, as at 256.
+HEADS_BY_HEAD_DIM = {dim: (NUM_QO_HEADS, NUM_KV_HEADS) if dim <= HEAD_DIM else (16, 4) for dim in HEAD_DIMS}
 PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 WORKSPACE_BYTES = 256 << 20
@@ -54,7 +57,8 @@ def parse_args(argv):
     p.add_argument("--shapes", nargs="+", type=batch_by_length, default=[(16, 1024), (4, 4096), (1, 16384)],
                    help="BATCHxLEN (default: 16x1024 4x4096 1x16384)")
     p.add_argument("--head-dims", nargs="+", type=int, choices=sorted(HEADS_BY_HEAD_DIM), default=[HEAD_DIM],
-                   help="head dims (default 128); 256 runs with 16 query / 4 kv heads")
+                   help="head dims (default 128; any of " + " ".join(map(str, HEAD_DIMS)) + "); above 128 they run "
+                        "with 16 query / 4 kv heads")
     p.add_argument("--iters", type=int, default=30, help="timed calls per kernel (median reported)")
     p.add_argument("--warmup", type=int, default=5, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")

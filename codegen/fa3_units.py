@@ -33,10 +33,17 @@ def fa3_cta_tile(spec: KernelSpec) -> int:
     return 192 if three else 128
 
 
+def fa3_tile_dim(spec: KernelSpec, head_dim: int) -> int:
+    """A head dim as the kernel's tiles hold it (PrefillTraits::kTileDimQK/VO): whole 128-byte
+    column blocks, 64 16-bit or 128 fp8 elements (16-bit 80-112 -> 128, 160 -> 192, 224 -> 256)."""
+    line = 128 // spec.dtype_kv.bytes
+    return -(-head_dim // line) * line
+
+
 def fa3_kv_tile(spec: KernelSpec, paged: bool) -> int:
-    """Keys per tile (PrefillTraits::kBlockN): 128, 64 for 16-bit head dims over 320 in all, of which
+    """Keys per tile (PrefillTraits::kBlockN): 128, 64 for 16-bit tile dims over 320 in all, of which
     ragged kernels without soft cap or window take 80."""
-    head_dims = spec.head_dim_qk + spec.head_dim_vo
+    head_dims = fa3_tile_dim(spec, spec.head_dim_qk) + fa3_tile_dim(spec, spec.head_dim_vo)
     if spec.dtype_kv.is_fp8 or head_dims <= 320:
         return 128
     wide = not paged and not spec.use_logits_soft_cap and not spec.use_sliding_window
@@ -44,9 +51,9 @@ def fa3_kv_tile(spec: KernelSpec, paged: bool) -> int:
 
 
 def fa3_extended_wgmma(spec: KernelSpec, paged: bool) -> bool:
-    """Whether the kernel's wgmmas (Q K^T: N = keys per tile; P V: N = head_dim_vo) need a width
+    """Whether the kernel's wgmmas (Q K^T: N = keys per tile; P V: N = the V tile dim) need a width
     outside CuTe's base set."""
-    return not {fa3_kv_tile(spec, paged), spec.head_dim_vo} <= CUTE_BASE_WGMMA_WIDTHS
+    return not {fa3_kv_tile(spec, paged), fa3_tile_dim(spec, spec.head_dim_vo)} <= CUTE_BASE_WGMMA_WIDTHS
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,12 @@ METADATA = "metadata.json"
 
 
 def prefill_cta_tiles(spec: KernelSpec) -> tuple[int, ...]:
-    """The prefill tiles a module compiles: FA3 has one; FA2 drops the 128-row tile at head dim 256,
-    where its accumulators would not fit the registers."""
+    """The prefill tiles a module compiles: FA3 has one; FA2 drops the 128-row tile above head dim
+    192 (224, 256), where its o accumulators beside the scores would not fit the registers
+    (fa2/prefill_traits.cuh; the planners' cta_tile_q agrees)."""
     if spec.backend is Backend.FA3:
         return (fa3_cta_tile(spec),)
-    return PREFILL_CTA_TILES if spec.head_dim_qk < 256 else PREFILL_CTA_TILES[:-1]
+    return PREFILL_CTA_TILES if spec.head_dim_qk <= 192 else PREFILL_CTA_TILES[:-1]
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,33 @@ from typing import Callable
 
 from .spec import Arch, Backend, Kind, KernelSpec, PosEncoding
 
-# Head dims each kernel family is written for, as (qk, vo) pairs.
-FA2_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
-FA3_PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
-DECODE_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
+# Head dims each kernel family is written for, as (qk, vo) pairs. Every family pads a head dim
+# between its tile widths up to them in shared memory (fa2/prefill_traits.cuh, fa2/decode_traits.cuh,
+# fa3/traits.cuh): the dims below are the common model head dims, each compiled and tested.
+HEAD_DIMS = (64, 80, 96, 112, 128, 160, 192, 224, 256)
+# The largest head dim a prefill row's fp32 o accumulator leaves room for in one warp's registers.
+PREFILL_MAX_HEAD_DIM = 256
+FA2_PREFILL_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS} | {(192, 128)})
+FA3_PREFILL_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS} | {(192, 128)})
+DECODE_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS})
+# fa2 prefill with an fp8 cache: one ldmatrix of K covers 32 one-byte dims.
+FA2_FP8_KV_PREFILL_HEAD_DIMS = frozenset(dims for dims in FA2_PREFILL_HEAD_DIMS if dims[0] % 32 == 0 and dims[1] % 32 == 0)
 # fp8 fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 would need a 64-byte swizzle.
 FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(128, 128), (256, 256)})
+
+
+def _off_grid(s) -> bool:
+    """Head dims that no tile handles: not multiples of 16 (the MMAs' k step, whole 16-byte rows)."""
+    return s.head_dim_qk % 16 != 0 or s.head_dim_vo % 16 != 0
+
+
+def _too_wide(s) -> bool:
+    return max(s.head_dim_qk, s.head_dim_vo) > PREFILL_MAX_HEAD_DIM
+
+
+def _uninstantiated(s, dims: frozenset) -> bool:
+    """On the 16-grid and within 256, but not a listed pair: the rules that say why come first."""
+    return not _off_grid(s) and not _too_wide(s) and (s.head_dim_qk, s.head_dim_vo) not in dims
 
 
 @dataclass(frozen=True)
@@ -123,16 +144,40 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.fp16_qk_reduction,
     ),
     Rule(
+        "head-dims-multiple-of-16",
+        "head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}) are not multiples of 16, the MMAs' k step and the "
+        "16-byte vector of every load",
+        "zero-pad q, k and v to the next of " + ", ".join(map(str, HEAD_DIMS))
+        + " (zero columns add nothing to q.k) and drop the output's padding columns",
+        lambda s: _off_grid(s),
+    ),
+    Rule(
+        "prefill-head-dims-max-256",
+        "{s.backend.value} {s.kind.value} has no kernel above head dim " + str(PREFILL_MAX_HEAD_DIM)
+        + " (qk {s.head_dim_qk}, vo {s.head_dim_vo}): a row's fp32 o accumulator would not fit the registers",
+        "use head dims up to " + str(PREFILL_MAX_HEAD_DIM) + ", e.g. split the head into two of half the size",
+        lambda s: s.kind is Kind.PREFILL and _too_wide(s),
+    ),
+    Rule(
         "fa3-head-dims",
         "fa3 has no 16-bit kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
         "use head dims " + _pairs(FA3_PREFILL_HEAD_DIMS) + " or backend fa2",
-        lambda s: _fa3(s) and not s.dtype_q.is_fp8 and _dims(s) not in FA3_PREFILL_HEAD_DIMS,
+        lambda s: _fa3(s) and not s.dtype_q.is_fp8 and _uninstantiated(s, FA3_PREFILL_HEAD_DIMS),
     ),
     Rule(
         "fa2-prefill-head-dims",
         "fa2 prefill has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
         "use head dims " + _pairs(FA2_PREFILL_HEAD_DIMS),
-        lambda s: s.kind is Kind.PREFILL and s.backend is Backend.FA2 and _dims(s) not in FA2_PREFILL_HEAD_DIMS,
+        lambda s: (s.kind is Kind.PREFILL and s.backend is Backend.FA2
+                   and _uninstantiated(s, FA2_PREFILL_HEAD_DIMS)),
+    ),
+    Rule(
+        "fa2-fp8-kv-head-dims",
+        "fa2 prefill with an fp8 KV cache reads K and V in 32-dim steps (one ldmatrix of 16-byte rows); "
+        "head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}) are not multiples of 32",
+        "use head dims " + _pairs(FA2_FP8_KV_PREFILL_HEAD_DIMS) + ", or a 16-bit KV cache",
+        lambda s: (s.kind is Kind.PREFILL and s.backend is Backend.FA2 and s.dtype_kv.is_fp8
+                   and _dims(s) in FA2_PREFILL_HEAD_DIMS and _dims(s) not in FA2_FP8_KV_PREFILL_HEAD_DIMS),
     ),
     Rule(
         "decode-is-fa2",
@@ -144,7 +189,7 @@ RULES: tuple[Rule, ...] = (
         "decode-head-dims",
         "the decode kernel has no instance for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
         "use head dim " + _pairs(DECODE_HEAD_DIMS) + " (qk and vo equal)",
-        lambda s: s.kind is Kind.DECODE and _dims(s) not in DECODE_HEAD_DIMS,
+        lambda s: s.kind is Kind.DECODE and not _off_grid(s) and _dims(s) not in DECODE_HEAD_DIMS,
     ),
     Rule(
         "decode-no-custom-mask",

@@ -27,7 +27,7 @@ __all__ = [
 def cta_tile_q(avg_packed_len: int, head_dim: int) -> int:
     """Packed q rows per CTA: tall tiles amortize each kv load over more
     rows, but on short prompts they would run mostly empty. head_dim is the q/k head dim."""
-    if avg_packed_len > 64 and head_dim < 256:
+    if avg_packed_len > 64 and head_dim <= 192:  # fa2 has no 128-row tile above 192
         return 128
     return 64 if avg_packed_len > 16 else 16
 

@@ -35,7 +35,7 @@ def test_generate_refused_spec_writes_nothing(tmp_path, capsys):
 def _manifest_with_a_stale_module(tmp_path):
     path = tmp_path / "m.toml"
     path.write_text('[[group]]\nkind = "decode"\nbackend = "fa2"\ndtype_q = "fp16"\ndtype_kv = "same_as_q"\n'
-                    'dtype_o = "same_as_q"\nhead_dim = [64, 96]\narchs = "80"\n')
+                    'dtype_o = "same_as_q"\nhead_dim = [64, 144]\narchs = "80"\n')
     out_dir = tmp_path / "gen"
     stale = out_dir / "decode_old_module"
     stale.mkdir(parents=True)

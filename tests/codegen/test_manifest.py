@@ -45,15 +45,15 @@ def test_defaults_apply_to_every_group():
 
 
 def test_on_invalid_skip_reports_refused_specs():
-    out = expand(one_group(dtype_q="bf16", head_dim=[96, 128]))
+    out = expand(one_group(dtype_q="bf16", head_dim=[144, 128]))
     assert [s.head_dim_qk for s in out.specs] == [128]
     ((spec, violations),) = out.refused
-    assert spec.head_dim_qk == 96 and [r.id for r in violations] == ["decode-head-dims"]
+    assert spec.head_dim_qk == 144 and [r.id for r in violations] == ["decode-head-dims"]
 
 
 def test_on_invalid_error_names_the_rule():
     with pytest.raises(ManifestError, match="decode-head-dims"):
-        expand(one_group(dtype_q="bf16", head_dim=[96, 128], on_invalid="error"))
+        expand(one_group(dtype_q="bf16", head_dim=[144, 128], on_invalid="error"))
 
 
 def test_bad_on_invalid_value():

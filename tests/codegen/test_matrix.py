@@ -17,9 +17,44 @@ def test_rows_agree_with_check():
         assert not {"fa3-needs-sm90a", "fa3-only-sm90a", "no-archs"} & set(row.violations)
 
 
+COMMON = (64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
 def test_supported_decode_rows():
     supported = {(r.spec.dtype_q, r.spec.head_dim_qk) for r in matrix.rows([Kind.DECODE], [Backend.FA2]) if r.supported}
-    assert supported == {(d, hd) for d in (DType.FP16, DType.BF16) for hd in (64, 128, 256)}
+    assert supported == {(d, hd) for d in (DType.FP16, DType.BF16) for hd in COMMON}
+
+
+def _supported_dims(kind, backend, dtype_q, dtype_kv):
+    return {(r.spec.head_dim_qk, r.spec.head_dim_vo) for r in matrix.rows([kind], [backend])
+            if r.supported and r.spec.dtype_q is dtype_q and r.spec.dtype_kv is dtype_kv}
+
+
+def test_supported_prefill_head_dims():
+    """Every common head dim (and (192, 128)) on fa2 and fa3 16-bit; fp8 fa2 caches at multiples of
+    32; fa3 fp8 at 128 and 256 only."""
+    common = {(d, d) for d in COMMON} | {(192, 128)}
+    for backend in Backend:
+        for dtype in (DType.FP16, DType.BF16):
+            assert _supported_dims(Kind.PREFILL, backend, dtype, dtype) == common
+    assert _supported_dims(Kind.PREFILL, Backend.FA2, DType.BF16, DType.E4M3) == {
+        dims for dims in common if dims[0] % 32 == 0 and dims[1] % 32 == 0}
+    assert _supported_dims(Kind.PREFILL, Backend.FA3, DType.E4M3, DType.E4M3) == {(128, 128), (256, 256)}
+
+
+def test_matrix_names_the_rule_of_each_refused_head_dim():
+    by_dims = {(r.spec.head_dim_qk, r.spec.head_dim_vo): r.violations
+               for r in matrix.rows([Kind.PREFILL], [Backend.FA3]) if r.spec.dtype_q is DType.BF16
+               and r.spec.dtype_kv is DType.BF16}
+    assert by_dims[(72, 72)] == ("head-dims-multiple-of-16",)
+    assert by_dims[(144, 144)] == ("fa3-head-dims",)
+    assert by_dims[(512, 512)] == ("prefill-head-dims-max-256",)
+    assert by_dims[(128, 192)] == ("fa3-head-dims",)
+    decode = {(r.spec.head_dim_qk, r.spec.head_dim_vo): r.violations
+              for r in matrix.rows([Kind.DECODE], [Backend.FA2]) if r.spec.dtype_q is DType.FP16
+              and r.spec.dtype_kv is DType.FP16}
+    assert decode[(192, 128)] == ("decode-head-dims",)
+    assert decode[(512, 512)] == ("decode-head-dims",)
 
 
 def test_markdown_has_one_line_per_row_and_names_rules():

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnforge.codegen.dtypes import DType
-from attnforge.codegen.rules import (FA2_PREFILL_HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
+from attnforge.codegen.rules import (FA2_FP8_KV_PREFILL_HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
                                       ensure_valid)
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 
@@ -28,11 +28,14 @@ EXAMPLES = {
     "fa3-same-dtype-family": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E5M2),
     "fa3-no-custom-mask": dict(FA3, use_custom_mask=True),
     "fa3-no-pos-encoding": dict(FA3, pos_encoding=PosEncoding.ROPE_LLAMA),
-    "fa3-head-dims": dict(FA3, head_dim_qk=96, head_dim_vo=96),
-    "fa2-prefill-head-dims": dict(kind=Kind.PREFILL, head_dim_qk=96, head_dim_vo=96),
+    "fa3-head-dims": dict(FA3, head_dim_qk=144, head_dim_vo=144),
+    "fa2-prefill-head-dims": dict(kind=Kind.PREFILL, head_dim_qk=128, head_dim_vo=192),
+    "head-dims-multiple-of-16": dict(head_dim_qk=72, head_dim_vo=72),
+    "prefill-head-dims-max-256": dict(kind=Kind.PREFILL, head_dim_qk=512, head_dim_vo=512),
+    "fa2-fp8-kv-head-dims": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3, head_dim_qk=80, head_dim_vo=80),
     "no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
     "decode-is-fa2": dict(backend=Backend.FA3, archs=(Arch.SM90A,)),
-    "decode-head-dims": dict(head_dim_qk=192),
+    "decode-head-dims": dict(head_dim_qk=192, head_dim_vo=128),
     "decode-no-custom-mask": dict(use_custom_mask=True),
     "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
     "fa3-fp8-head-dims": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64),
@@ -80,7 +83,7 @@ def test_rules_are_complete_rows():
 
 
 def test_check_returns_every_violation_not_the_first(decode_spec):
-    spec = replace(decode_spec, dtype_o=DType.E4M3, head_dim_qk=96, head_dim_vo=96, use_custom_mask=True)
+    spec = replace(decode_spec, dtype_o=DType.E4M3, head_dim_qk=512, head_dim_vo=512, use_custom_mask=True)
     assert {"o-not-fp8", "decode-head-dims", "decode-no-custom-mask"} <= {r.id for r in check(spec)}
 
 
@@ -108,7 +111,7 @@ def test_fa2_decode_accepts_a_16bit_query_with_an_fp8_cache(decode_spec, dtype_q
 
 @pytest.mark.parametrize("dtype_q", [DType.BF16, DType.FP16])
 @pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
-@pytest.mark.parametrize("dims", sorted(FA2_PREFILL_HEAD_DIMS))
+@pytest.mark.parametrize("dims", sorted(FA2_FP8_KV_PREFILL_HEAD_DIMS))
 @pytest.mark.parametrize("arch", [Arch.SM80, Arch.SM90A])
 def test_fa2_prefill_accepts_a_16bit_query_with_an_fp8_cache(decode_spec, dtype_q, dtype_kv, dims, arch):
     """The tensor-core prefill kernel widens fp8 K/V to the query's type in shared memory (issue 5),
@@ -201,3 +204,50 @@ def test_fp16_qk_reduction_is_one_rule_that_names_no_family(decode_spec, kind, b
 def test_fa3_decode_is_refused_by_decode_is_fa2_without_fa3_advice(decode_spec):
     spec = replace(decode_spec, backend=Backend.FA3, archs=(Arch.SM80,), dtype_kv=DType.E4M3, use_custom_mask=True)
     assert [r.id for r in check(spec)] == ["decode-is-fa2", "decode-no-custom-mask"]
+
+
+NEW_HEAD_DIMS = (80, 96, 112, 160, 192, 224)
+
+
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+def test_new_head_dims_pass_every_16bit_family(decode_spec, head_dim, dtype):
+    base = replace(decode_spec, dtype_q=dtype, dtype_kv=dtype, dtype_o=dtype, head_dim_qk=head_dim, head_dim_vo=head_dim)
+    assert check(base) == []  # fa2 decode
+    assert check(replace(base, kind=Kind.PREFILL)) == []  # fa2 prefill (and tensor-core decode)
+    assert check(replace(base, **FA3)) == []
+    assert check(replace(base, kind=Kind.PREFILL, use_sliding_window=True, use_logits_soft_cap=True,
+                         use_custom_mask=True, pos_encoding=PosEncoding.ROPE_LLAMA)) == []
+
+
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
+def test_fp8_caches_at_new_head_dims(decode_spec, head_dim, dtype_kv):
+    """Decode dequantizes any head dim; fa2 prefill needs multiples of 32; fa3 fp8 keeps 128 and 256."""
+    base = replace(decode_spec, dtype_kv=dtype_kv, head_dim_qk=head_dim, head_dim_vo=head_dim)
+    assert check(base) == []
+    prefill = [r.id for r in check(replace(base, kind=Kind.PREFILL))]
+    assert prefill == ([] if head_dim % 32 == 0 else ["fa2-fp8-kv-head-dims"])
+    fa3 = [r.id for r in check(replace(base, **FA3, dtype_q=dtype_kv, dtype_o=DType.BF16))]
+    assert fa3 == ["fa3-fp8-head-dims"]
+
+
+@pytest.mark.parametrize(("kind", "backend", "dims", "rule_id", "words"), [
+    (Kind.DECODE, Backend.FA2, (100, 100), "head-dims-multiple-of-16", ["not multiples of 16", "zero-pad", "112"]),
+    (Kind.PREFILL, Backend.FA2, (72, 72), "head-dims-multiple-of-16", ["qk 72, vo 72", "80"]),
+    (Kind.PREFILL, Backend.FA3, (512, 512), "prefill-head-dims-max-256", ["fa3 prefill", "above head dim 256",
+                                                                          "up to 256"]),
+    (Kind.PREFILL, Backend.FA2, (512, 512), "prefill-head-dims-max-256", ["fa2 prefill", "registers"]),
+    (Kind.PREFILL, Backend.FA3, (144, 144), "fa3-head-dims", ["qk 144, vo 144", "160", "(192,128)", "backend fa2"]),
+    (Kind.PREFILL, Backend.FA2, (128, 192), "fa2-prefill-head-dims", ["qk 128, vo 192", "224"]),
+    (Kind.DECODE, Backend.FA2, (512, 512), "decode-head-dims", ["qk 512, vo 512", "qk and vo equal"]),
+    (Kind.DECODE, Backend.FA2, (192, 128), "decode-head-dims", ["vo 128"]),
+])
+def test_head_dim_refusals_say_why_and_what_instead(decode_spec, kind, backend, dims, rule_id, words):
+    archs = (Arch.SM90A,) if backend is Backend.FA3 else (Arch.SM80,)
+    spec = replace(decode_spec, kind=kind, backend=backend, archs=archs, head_dim_qk=dims[0], head_dim_vo=dims[1])
+    with pytest.raises(UnsupportedSpecError) as info:
+        ensure_valid(spec)
+    assert info.value.rule_ids == [rule_id]
+    for word in words:
+        assert word in str(info.value)

@@ -3,16 +3,20 @@ valid specs render deterministically, invalid ones are refused by name before an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnforge.codegen import render
 from attnforge.codegen.dtypes import DType, IndexType
-from attnforge.codegen.rules import RULES, UnsupportedSpecError, check
+from attnforge.codegen.rules import (FA2_PREFILL_HEAD_DIMS, FA3_PREFILL_HEAD_DIMS, RULES, UnsupportedSpecError,
+                                      check)
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 
-HEAD_DIMS = (64, 96, 128, 192, 256)
+# Every common head dim, plus refused ones: off the 16-grid (72), uninstantiated (48, 144), too wide (512).
+HEAD_DIMS = (48, 64, 72, 80, 96, 112, 128, 144, 160, 192, 224, 256, 512)
 
 
 @st.composite
@@ -104,3 +108,19 @@ def test_near_valid_strategy_reaches_valid_specs():
 
     collect()
     assert found
+
+
+@settings(deadline=None)
+@given(specs(kinds=(Kind.PREFILL,), dtypes=(DType.FP16, DType.BF16), pos=(PosEncoding.NONE,), flags=(False,)))
+def test_head_dim_refusals_are_exactly_the_head_dim_rules(spec):
+    """A 16-bit prefill spec on a valid arch is refused for its head dims by exactly one head-dim
+    rule (none when the pair is listed): every refusal has one reason and one alternative."""
+    arch = (Arch.SM90A,) if spec.backend is Backend.FA3 else (Arch.SM80,)
+    spec = replace(spec, archs=arch, dtype_kv=spec.dtype_q, dtype_o=spec.dtype_q)
+    ids = [r.id for r in check(spec)]
+    listed = FA3_PREFILL_HEAD_DIMS if spec.backend is Backend.FA3 else FA2_PREFILL_HEAD_DIMS
+    if (spec.head_dim_qk, spec.head_dim_vo) in listed:
+        assert ids == []
+    else:
+        assert len(ids) == 1 and ids[0] in {"head-dims-multiple-of-16", "prefill-head-dims-max-256",
+                                             "fa3-head-dims", "fa2-prefill-head-dims"}, ids

@@ -27,8 +27,14 @@ def test_prefill_head_dims_pick_the_acceptance_heads():
 
 def test_prefill_head_dims_refuse_unbenchmarked(capsys):
     with pytest.raises(SystemExit):
-        prefill.parse_args(["--head-dims", "96"])
+        prefill.parse_args(["--head-dims", "144"])
     assert "--head-dims" in capsys.readouterr().err
+
+
+def test_prefill_head_dims_take_every_supported_dim():
+    dims = [64, 80, 96, 112, 128, 160, 192, 224, 256]
+    assert prefill.parse_args(["--head-dims", *map(str, dims)]).head_dims == dims
+    assert [prefill.Heads.for_head_dim(d) for d in (96, 160)] == [prefill.Heads(32, 8, 96), prefill.Heads(16, 4, 160)]
 
 
 def test_prefill_markdown_has_a_column_pair_per_decode_path():

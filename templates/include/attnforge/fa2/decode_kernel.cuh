@@ -106,7 +106,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
 #pragma unroll
     for (int c = 0; c < T::kChunksPerThread; ++c) {
       const int row = copy_row + c * kRowsPerPass;
-      const bool valid = first_token + c * kRowsPerPass < end;
+      // Padding cells (copy_cell >= kCells) are zero-filled without a read.
+      const bool valid = first_token + c * kRowsPerPass < end && (!T::kPaddedRow || copy_cell < T::kCells);
       const int element = T::ring_element(row, copy_cell);
       common::cp_async_16(&smem.ring.k[stage][element], k_src + offsets[c], valid);
       common::cp_async_16(&smem.ring.v[stage][element], v_src + offsets[c], valid);
@@ -221,7 +222,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     }
   }
   bad_page = __syncthreads_or(bad_page);
-  if (tz != 0) return;
+  if (tz != 0 || tx >= T::kCells) return;  // token lanes merged; padding lanes store nothing
   if (bad_page && tid == 0) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
 
 #pragma unroll

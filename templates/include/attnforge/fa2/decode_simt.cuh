@@ -103,8 +103,8 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
   constexpr int kTokens = T::kTokensPerLane;
   const int tx = threadIdx.x, tz = threadIdx.z;
   // Token j of this lane group is tile row j * kBdz + tz: neighbouring warps read neighbouring rows.
-  const int lane_offset = tz * T::kHeadDim + tx * T::kVec;
-  constexpr int kTokenStride = T::kBdz * T::kHeadDim;
+  const int lane_offset = tz * T::kRowDim + tx * T::kVec;
+  constexpr int kTokenStride = T::kBdz * T::kRowDim;
 
   float s[T::kScores];  // slot (h, j) at h * kTokens + j
   half2 dots[T::kPackedMath ? T::kScores : 1];  // packed math: the slots' even and odd columns
@@ -221,7 +221,8 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
   }
 }
 
-// This thread's kVec columns of q, slot h holding head h ^ owner.head of the group.
+// This thread's kVec columns of q, slot h holding head h ^ owner.head of the group (zeros on a
+// padding lane, tx >= kCells).
 template <typename T>
 __device__ __forceinline__ void load_query(const typename T::Params& p, int request, int kv_head, int first_slot,
                                            ScoreOwner owner, int tx, float (&q)[T::kHeadsPerThread][T::kVec]) {
@@ -229,7 +230,12 @@ __device__ __forceinline__ void load_query(const typename T::Params& p, int requ
   for (int h = 0; h < T::kHeadsPerThread; ++h) {
     const int qo_head = kv_head * p.group_size + min(first_slot + (h ^ owner.head), p.group_size - 1);
     const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
-    common::load_float(q_row + tx * T::kVec, q[h]);
+    if (tx < T::kCells) {
+      common::load_float(q_row + tx * T::kVec, q[h]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < T::kVec; ++e) q[h][e] = 0.f;  // a padding lane: adds 0 to every score
+    }
   }
 }
 

@@ -54,7 +54,20 @@ struct DecodeTraits {
   static constexpr bool kSoftCap = kSoftCap_;
 
   static constexpr int kVec = 16 / sizeof(DTypeKV);  // KV elements per 16-byte load
-  static constexpr int kBdx = kHeadDim / kVec;       // threads spanning one KV row
+  // The tile-size choice for the head dim: a row's kCells 16-byte cells span kBdx lanes, the next
+  // power of two (the reduce-scatter and the lane merges halve lane groups by shuffles). A head dim
+  // between powers of two (80, 96, 112 -> 16 lanes, 160, 192, 224 -> 32 lanes of a 16-bit cache)
+  // runs as kRowDim = kBdx x kVec: the extra lanes' copies are zero-filled without reading memory
+  // and their q is zero, so they add 0 to every dot product and nothing to memory traffic, and
+  // their o columns are never stored. Tiles and the ring are sized for kRowDim.
+  static constexpr int kCells = kHeadDim / kVec;  // 16-byte cells of a real KV row
+  static constexpr int kBdx = [] {
+    int lanes = 1;
+    while (lanes < kCells) lanes *= 2;
+    return lanes;
+  }();
+  static constexpr int kRowDim = kBdx * kVec;  // the row in the ring, padding included
+  static constexpr bool kPaddedRow = kRowDim != kHeadDim;
   // A thread serves several heads so that each K/V element it loads and converts feeds all of
   // them: the kernel is issue-bound long before it is bandwidth-bound otherwise. q and o take
   // 2 x kHeadsPerThread x kVec floats; capped at 2 x 32 they stay in registers under the
@@ -71,17 +84,18 @@ struct DecodeTraits {
   // against 316 here), which the MMAs remove. fp8 hd 64 (64-byte rows) keeps the CUDA-core tile,
   // and so does 16-bit hd 256, whose 64-token ring (192 KB) would leave one CTA per SM.
   static constexpr int kWarps = kThreads / 32;
+  // Padded rows keep the CUDA-core tile: the MMA tile's chunks read whole rows of the ring.
   static constexpr bool kMmaTile =
-      kHeadsPerCta >= 4 && kBdx % 8 == 0 && (kHeadDim <= 128 || sizeof(DTypeKV) == 1);
+      kHeadsPerCta >= 4 && !kPaddedRow && kBdx % 8 == 0 && (kHeadDim <= 128 || sizeof(DTypeKV) == 1);
   static constexpr int kMmaChunks = kHeadDim / 16;
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
   // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM, which
   // beat 4 stages at 3 CTAs per SM. A 16-bit tensor-core tile takes 16 KB (64 rows) and 2 CTAs per
   // SM: the same bytes in flight.
-  static constexpr int kTileTokens = kMmaTile ? 16 * kWarps : 8192 / (kHeadDim * int(sizeof(DTypeKV)));
+  static constexpr int kTileTokens = kMmaTile ? 16 * kWarps : 8192 / (kRowDim * int(sizeof(DTypeKV)));
   static constexpr int kTokensPerLane = kTileTokens / kBdz;
   static constexpr int kStages = 3;
-  static constexpr int kMinCtasPerSm = 8192 * 4 / (kTileTokens * kHeadDim * int(sizeof(DTypeKV)));
+  static constexpr int kMinCtasPerSm = 8192 * 4 / (kTileTokens * kRowDim * int(sizeof(DTypeKV)));
   static constexpr int kChunksPerTile = kTileTokens * kBdx;  // 16-byte chunks in one K (or V) tile
   static constexpr int kChunksPerThread = kChunksPerTile / kThreads;
   static constexpr int kOffsetSlots = kStages - 1;  // tiles whose row offsets wait in shared memory
@@ -104,8 +118,8 @@ struct DecodeTraits {
   static constexpr float kProbScale =
       kHalfMax >= kTokensPerLane * kMaxKv ? 1.f : pow2_at_most(kHalfMax / (kTokensPerLane * kMaxKv));
 
-  static_assert(kHeadDim % kVec == 0 && kBdx <= 32 && 32 % kBdx == 0,
-                "decode-head-dims: a KV row must span a power-of-two number of lanes within a warp");
+  static_assert(kHeadDim % kVec == 0 && kBdx <= 32,
+                "decode-head-dims: a KV row must be whole 16-byte cells on at most 32 lanes (rule decode-head-dims)");
   static_assert(kHeadsPerCta % kHeadsPerThread == 0, "decode heads: head groups must tile the CTA's heads");
   static_assert(kBdz >= 1 && kBdx * kBdy * kBdz == kThreads, "decode block: lanes must tile 128 threads");
   static_assert(kChunksPerThread >= 1 && kChunksPerTile % kThreads == 0,
@@ -133,13 +147,13 @@ struct DecodeTraits {
   static constexpr int kStateLanes = kMmaTile && kWarps > kBdz ? kWarps : kBdz;
   static_assert(!kMmaTile || kStateLanes >= kWarps, "decode mma tile: a token-lane state per warp (share_mma_state)");
   struct LaneStates {
-    float o[kStateLanes][kHeadsPerCta][kHeadDim];
+    float o[kStateLanes][kHeadsPerCta][kRowDim];
     float m[kStateLanes][kHeadsPerCta];
     float d[kStateLanes][kHeadsPerCta];
   };
   struct Ring {
-    alignas(16) DTypeKV k[kStages][kTileTokens * kHeadDim];
-    alignas(16) DTypeKV v[kStages][kTileTokens * kHeadDim];
+    alignas(16) DTypeKV k[kStages][kTileTokens * kRowDim];
+    alignas(16) DTypeKV v[kStages][kTileTokens * kRowDim];
   };
   // A lane group's per-tile exchange: each token's probabilities for its heads (the packed math's
   // in fp16, times kProbScale, as its P.V multiplies them) and each head's rescale factor. A row

@@ -107,8 +107,8 @@ __device__ __forceinline__ void rope_k_tile(typename T::DTypeQ* k, int first, fl
   constexpr int kHalf = T::kCellsQK / 2;
   for (int idx = threadIdx.x; idx < T::kTileKV * kHalf; idx += T::kThreads) {
     const int row = idx / kHalf, cell = idx % kHalf;
-    auto* lo_ptr = reinterpret_cast<uint4*>(k + common::Swizzle128<T::kCellsQK>::cell(row, cell) * 8);
-    auto* hi_ptr = reinterpret_cast<uint4*>(k + common::Swizzle128<T::kCellsQK>::cell(row, cell + kHalf) * 8);
+    auto* lo_ptr = reinterpret_cast<uint4*>(k + common::Swizzle128<T::kRowCellsQK>::cell(row, cell) * 8);
+    auto* hi_ptr = reinterpret_cast<uint4*>(k + common::Swizzle128<T::kRowCellsQK>::cell(row, cell + kHalf) * 8);
     float lo[8], hi[8];
     Vec::to_float(*lo_ptr, lo);
     Vec::to_float(*hi_ptr, hi);
@@ -125,6 +125,7 @@ __device__ __forceinline__ void load_q_tile(typename T::DTypeQ* dst, const typen
                                             const common::FastDivmod& group, int kv_head) {
   using DTypeQ = typename T::DTypeQ;
   constexpr int kCells = T::kCellsQK;
+  using Swizzle = common::Swizzle128<T::kRowCellsQ>;  // rows padded to whole 128-byte lines
   auto row_ptr = [&](int row) -> const DTypeQ* {
     int token, head_in_group;
     group.divmod(rows.row_begin + row, token, head_in_group);
@@ -144,15 +145,15 @@ __device__ __forceinline__ void load_q_tile(typename T::DTypeQ* dst, const typen
         const int token = group.div(rows.row_begin + row);
         common::rope_rotate<T::kHeadDimQK>(lo, hi, token + rows.pos_shift, cell * 8, p.rope_rcp_scale, p.rope_rcp_theta);
       }
-      *reinterpret_cast<uint4*>(dst + common::Swizzle128<kCells>::cell(row, cell) * 8) = Vec::from_float(lo);
-      *reinterpret_cast<uint4*>(dst + common::Swizzle128<kCells>::cell(row, cell + kHalf) * 8) = Vec::from_float(hi);
+      *reinterpret_cast<uint4*>(dst + Swizzle::cell(row, cell) * 8) = Vec::from_float(lo);
+      *reinterpret_cast<uint4*>(dst + Swizzle::cell(row, cell + kHalf) * 8) = Vec::from_float(hi);
     }
   } else {
     for (int idx = threadIdx.x; idx < T::kCtaTileQ * kCells; idx += T::kThreads) {
       const int row = idx / kCells, cell = idx % kCells;
       const bool valid = row < rows.rows;
       const DTypeQ* src = valid ? row_ptr(row) + cell * 8 : static_cast<const DTypeQ*>(p.q);
-      common::cp_async_16(dst + common::Swizzle128<kCells>::cell(row, cell) * 8, src, valid);
+      common::cp_async_16(dst + Swizzle::cell(row, cell) * 8, src, valid);
     }
   }
 }

@@ -100,7 +100,7 @@ __device__ __forceinline__ void load_v_fragments(const typename T::DTypeKV* row,
 template <typename T>
 __device__ __forceinline__ float prepare_q_for_fp8_kv(typename T::Tiles& tiles) {
   using Vec = common::Vec16<typename T::DTypeQ>;
-  using Swizzle = common::Swizzle128<T::kCellsQK>;
+  using Swizzle = common::Swizzle128<T::kRowCellsQ>;
   const uint4* cells = reinterpret_cast<const uint4*>(tiles.q);
   int shift = 0;
   if constexpr (std::is_same_v<typename T::DTypeQ, __nv_bfloat16>) {
@@ -145,7 +145,7 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, co
   constexpr int kChunks = T::kChunksPerLoad;
   const int lane = threadIdx.x % 32;
   // Q: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
-  const LaneCells<T::kCellsQK> qc(warp_q * T::kMmaQ * 16 + lane % 16, lane / 16);
+  const LaneCells<T::kRowCellsQ> qc(warp_q * T::kMmaQ * 16 + lane % 16, lane / 16);
   // K: matrices (kv 0-7, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 0), (kv 8-15, cell 1).
   const LaneCells<T::kRowCellsQK> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
 #pragma unroll

@@ -52,12 +52,17 @@ struct PrefillTraits {
   static_assert(!kFp8KV || kPosEncoding != kPosRopeLlama,
                 "prefill fp8 KV: no in-kernel RoPE, K stays fp8 in shared memory (rule fa2-fp8-kv-no-rope)");
   static_assert(kCtaTileQ == 16 || kCtaTileQ == 64 || kCtaTileQ == 128, "prefill tile: kCtaTileQ is 16, 64 or 128");
-  static_assert(kHeadDimQK % 64 == 0 && kHeadDimVO % 64 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
-                "prefill head dims: 64, 128, 192 or 256 (a row must fill whole 128-byte swizzle lines)");
-  // rule fa2-prefill-tile: 128-row tiles only below head dim 256, where the o accumulator
-  // (2 x kHeadDimVO / 2 floats per thread) still fits the register file.
-  static_assert(kCtaTileQ < 128 || kHeadDimVO < 256, "prefill tile: kCtaTileQ 128 needs head_dim_vo < 256");
-
+  // Head dims are multiples of 16 (the MMAs' k step) up to 256; an fp8 cache's, of 32 (one
+  // ldmatrix of K covers 32 one-byte dims). A row that does not fill whole 128-byte swizzle lines
+  // (hd 80, 96, 112, 160, 224) is padded to them in shared memory; the padding is never copied,
+  // read by an MMA (kMmaDQK, kMmaDVO count real 16-dim chunks) or stored.
+  static_assert(kHeadDimQK % 16 == 0 && kHeadDimVO % 16 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
+                "prefill head dims: multiples of 16 up to 256 (rule fa2-prefill-head-dims)");
+  static_assert(!kFp8KV || (kHeadDimQK % 32 == 0 && kHeadDimVO % 32 == 0),
+                "prefill fp8 KV head dims: multiples of 32 (rule fa2-fp8-kv-head-dims)");
+  // rule fa2-prefill-tile (prefill_cta_tiles): 128-row tiles only up to head dim 192, where the o
+  // accumulator (2 x kHeadDimVO / 2 floats per thread) beside the scores still fits the registers.
+  static_assert(kCtaTileQ < 128 || kHeadDimQK <= 192, "prefill tile: kCtaTileQ 128 needs head_dim_qk <= 192");
   static constexpr int kThreads = 128;
   static constexpr int kWarps = 4;
   static constexpr int kWarpsQ = kCtaTileQ == 16 ? 1 : 4;  // warps along q rows
@@ -65,19 +70,26 @@ struct PrefillTraits {
   static constexpr int kMmaQ = kCtaTileQ / (16 * kWarpsQ);  // m16 row blocks per warp
   static constexpr int kMmaDQK = kHeadDimQK / 16;
   static constexpr int kMmaDVO = kHeadDimVO / 16;
-  // n16 kv blocks per warp: the score fragment (kMmaQ x kMmaKV x 8 floats) stays <= 64 registers
-  // beside the o fragment, and Q + K + V tiles stay <= ~110 KB so two CTAs share an SM. An fp8
-  // decode-shaped tile takes twice the keys: as many bytes per tile as a 16-bit one.
+  // n16 kv blocks per warp (the tile-size choice, with kCtaTileQ from the planner): the score
+  // fragment (kMmaQ x kMmaKV x 8 floats) stays <= 64 registers beside the o fragment, and Q + K + V
+  // tiles (rows padded to whole 128-byte lines) stay <= ~110 KB so two CTAs share an SM:
+  //   16-row tiles (4 warps along kv): 128 keys up to hd 128, 64 above;
+  //   64-row tiles: 128 keys up to hd 128 (hd 128: 80 KB; hd 80-112 pad to 128), 64 above (hd 256:
+  //     96 KB; hd 224 pads to 256, hd 160 to 192: 72 KB);
+  //   128-row tiles (two m16 blocks per warp, hd <= 192): 64 keys (hd 192: 96 KB).
+  // Past hd 128 a 128-key tile would need 2 x (Q + 2 x 128 x 192 x 2 bytes) > 227 KB.
+  // An fp8 decode-shaped tile takes twice the keys: as many bytes per tile as a 16-bit one.
   static constexpr int kMmaKV = kWarpsKV == 4 ? (kHeadDimQK <= 128 ? 2 : 1) * (kFp8KV ? 2 : 1)
                                 : kMmaQ == 2  ? 4
                                               : (kHeadDimQK <= 128 ? 8 : 4);
   static constexpr int kTileKV = kMmaKV * kWarpsKV * 16;
   static constexpr int kCellsQK = kHeadDimQK / 8;  // 16-byte cells per row of the (16-bit) Q tile
+  static constexpr int kRowCellsQ = common::swizzle_row_cells(kCellsQK);  // and in shared memory
   static constexpr int kKVPerCell = 16 / int(sizeof(DTypeKV));  // cache elements per 16-byte cell
   static constexpr int kCopyCellsQK = kHeadDimQK / kKVPerCell;   // 16-byte cells per K row of the cache
   static constexpr int kCopyCellsVO = kHeadDimVO / kKVPerCell;
-  // K/V tile rows in shared memory: whole 128-byte swizzle lines (an fp8 row of 64 or 192 bytes is
-  // padded; its padding is never copied or read).
+  // K/V tile rows in shared memory: whole 128-byte swizzle lines (a row of 80 16-bit or 64 fp8
+  // elements is padded; its padding is never copied or read).
   static constexpr int kRowCellsQK = common::swizzle_row_cells(kCopyCellsQK);
   static constexpr int kRowCellsVO = common::swizzle_row_cells(kCopyCellsVO);
   // 16-dim chunks one ldmatrix_x4 of K or V covers (16 keys of 16-byte rows): one of 16-bit
@@ -89,7 +101,7 @@ struct PrefillTraits {
   static constexpr bool kRawScores = !kSoftCap && kPosEncoding != kPosAlibi;
 
   struct Tiles {
-    alignas(16) DTypeMma q[kCtaTileQ * kHeadDimQK];
+    alignas(16) DTypeMma q[kCtaTileQ * kRowCellsQ * 8];
     alignas(16) DTypeKV k[kTileKV * kRowCellsQK * kKVPerCell];
     alignas(16) DTypeKV v[kTileKV * kRowCellsVO * kKVPerCell];
     int64_t kv_offsets[2][kTileKV];  // global row offsets of the current and the next KV tile

@@ -34,11 +34,11 @@ __device__ __forceinline__ void consume_rows_along_m(typename T::SharedStorage& 
   Tensor sVt = make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{});
   Tensor tSrK = thr_qk.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
-  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<T::kBlockM>, Int<T::kHeadDimVO>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<T::kBlockM>, Int<T::kTileDimVO>>{});
   Tensor o = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
   Tensor s_coord = make_tensor(cS.data(), rowcol(cS.layout()));
-  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDimVO>>{}));
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kTileDimVO>>{}));
   Tensor o_coord = make_tensor(cO.data(), rowcol(cO.layout()));
 
   float m[2] = {common::kNegInf, common::kNegInf};

@@ -32,7 +32,7 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&v)[4]) {
 // instructions) leave every job on a store tail that short jobs feel most.
 template <typename DTypeO, typename TensorO, typename TensorC>
 __device__ __forceinline__ void store_o_row(DTypeO* o_row, bool stored, float inv_d, int r, TensorO& o,
-                                            TensorC& coord) {
+                                            TensorC& coord, int cols) {
   using namespace cute;
   static_assert(decltype(size<1>(o))::value % 8 == 0, "fa3 o store: whole groups of four 8-column blocks");
   const int q = threadIdx.x % 4;
@@ -43,7 +43,9 @@ __device__ __forceinline__ void store_o_row(DTypeO* o_row, bool stored, float in
     for (int i = 0; i < 4; ++i) v[i] = common::pack2<DTypeO>(o(r, 8 * g + 2 * i) * inv_d, o(r, 8 * g + 2 * i + 1) * inv_d);
     quad_transpose(v);
     // (r, 8g) is this lane's first column of block 4g: 8 * 4g + 2q
-    if (stored) *reinterpret_cast<uint4*>(o_row + get<1>(coord(r, 8 * g)) + 6 * q) = make_uint4(v[0], v[1], v[2], v[3]);
+    // Columns from `cols` on are a padded tile dim's (whole 8-column blocks: cols % 16 == 0).
+    const int col = get<1>(coord(r, 8 * g)) + 6 * q;
+    if (stored && col < cols) *reinterpret_cast<uint4*>(o_row + col) = make_uint4(v[0], v[1], v[2], v[3]);
   }
 }
 
@@ -113,14 +115,17 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Wo
     const bool stored = row < w.rows;
     const RowOutput<T> out = row_output<T>(p, w, group, kv_head, item, row, m[r], d[r]);
     if (w.slot < 0) {
-      store_o_row(out.o_row(p, w), stored, out.inv_d, r, o, coord);
+      store_o_row(out.o_row(p, w), stored, out.inv_d, r, o, coord, T::kHeadDimVO);
       if (stored && p.lse != nullptr && lane % 4 == 0) *out.lse_at(p, w) = out.lse;
     } else if (stored) {
       const int64_t prow = out.partial_row(p, w, item.num_chunks);
       float* partial = static_cast<float*>(p.tmp_v) + prow * T::kHeadDimVO;
 #pragma unroll
       for (int c = 0; c < size<1>(o); c += 2) {
-        *reinterpret_cast<float2*>(partial + get<1>(coord(r, c))) = make_float2(o(r, c) * out.inv_d, o(r, c + 1) * out.inv_d);
+        const int col = get<1>(coord(r, c));
+        if (T::kTileDimVO == T::kHeadDimVO || col < T::kHeadDimVO) {
+          *reinterpret_cast<float2*>(partial + col) = make_float2(o(r, c) * out.inv_d, o(r, c + 1) * out.inv_d);
+        }
       }
       if (lane % 4 == 0) static_cast<float*>(p.tmp_s)[prow] = out.lse;
     }

@@ -33,16 +33,16 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
     const auto evict_first = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);  // read once
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q.full, T::kQBytes);
 #pragma unroll
-    for (int col = 0; col < T::kHeadDimQK; col += T::kLineElements) {
+    for (int col = 0; col < T::kTileDimQK; col += T::kLineElements) {  // past kHeadDimQK: zeros (OOB)
       cute::SM90_TMA_LOAD_3D::copy(&args.q_rows, q.full, evict_first,
                                    base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(0, col), col,
                                    kv_head * p.group_size, w.qo_begin + w.first_token);
     }
     return;
   }
-  for (int idx = tid; idx < T::kBlockM * T::kCellsQK; idx += T::kProducerThreads) {
-    const int row = idx / T::kCellsQK, cell = idx % T::kCellsQK;
-    const bool valid = row < w.rows;
+  for (int idx = tid; idx < T::kBlockM * T::kTileCellsQK; idx += T::kProducerThreads) {
+    const int row = idx / T::kTileCellsQK, cell = idx % T::kTileCellsQK;
+    const bool valid = row < w.rows && cell < T::kCellsQK;  // padding cells: zeros
     const DTypeQ* src = static_cast<const DTypeQ*>(p.q);
     if (valid) {
       int token, head_in_group;
@@ -61,8 +61,9 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
 // A thread keeps one cell and walks rows kRowsPerPass apart; when that is a whole number of
 // 8-row swizzle atoms its smem position only moves by a constant, so it is computed once. A row
 // of cells that does not divide the warpgroup (24 for 192 16-bit dims) is copied cell by cell,
-// each thread finding its cell's row.
-template <typename T, int kCells, typename RowOffset, typename SmemOffset>
+// each thread finding its cell's row. Cells from kRealCells on (a padded tile dim) are zero-filled
+// without a read.
+template <typename T, int kCells, int kRealCells, typename RowOffset, typename SmemOffset>
 __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename T::DTypeKV* head_base, int tid,
                                              RowOffset row_offset, SmemOffset smem_offset) {
   if constexpr (T::kProducerThreads % kCells != 0) {
@@ -72,7 +73,7 @@ __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename 
       const int row = idx / kCells, cell = idx % kCells;
       const int64_t off = row_offset(row);
       common::cp_async_16(smem_base + smem_offset(row, cell), head_base + max(off, int64_t(0)) + cell * T::kCellElements,
-                          off >= 0);
+                          off >= 0 && cell < kRealCells);
     }
   } else {
     constexpr int kRowsPerPass = T::kProducerThreads / kCells;
@@ -88,7 +89,8 @@ __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename 
       const int row = row0 + i * kRowsPerPass;
       const int64_t off = row_offset(row);
       const uint32_t dst = kRowsPerPass % 8 == 0 ? base + i * step : smem_offset(row, cell);
-      common::cp_async_16(smem_base + dst, head_base + max(off, int64_t(0)) + cell * T::kCellElements, off >= 0);
+      common::cp_async_16(smem_base + dst, head_base + max(off, int64_t(0)) + cell * T::kCellElements,
+                          off >= 0 && (kRealCells == kCells || cell < kRealCells));
     }
   }
 }
@@ -149,13 +151,13 @@ __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem
   using Element = typename T::Element;
   if (!boxes.warp_boxing) return;  // spinning on the stage's barriers would take issue slots from the consumers
   Barrier::wait(&smem.k_empty[stage], free_phase);
-  box_tile<T, T::kHeadDimQK, kFullArrivals<T>>(args.k_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.k),
+  box_tile<T, T::kTileDimQK, kFullArrivals<T>>(args.k_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.k),
                              &smem.k_full[stage], T::kTileBytesK, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutK, Element>(row, col, stage);
                              });
   if constexpr (!T::kFp8) {
     Barrier::wait(&smem.v_empty[stage], free_phase);
-    box_tile<T, T::kHeadDimVO, kFullArrivals<T>>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v),
+    box_tile<T, T::kTileDimVO, kFullArrivals<T>>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v),
                                &smem.v_full[stage], T::kTileBytesV, [&](int row, int col) {
                                  return swizzled_offset<typename T::SmemLayoutVt, Element>(col, row, stage);
                                });
@@ -180,7 +182,7 @@ __device__ __forceinline__ void box_vt_tile(typename T::SharedStorage& smem, con
 template <typename T>
 __device__ __forceinline__ void box_v_rows(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                            const TileBoxes& boxes, int buffer, int kv_head) {
-  box_tile<T, T::kHeadDimVO, 1>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
+  box_tile<T, T::kTileDimVO, 1>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
                              &smem.v_rows_full[buffer], T::kTileBytesV, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutVRows, typename T::Element>(row, col, buffer);
                              });
@@ -305,7 +307,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
       return gathered_rows<T>(smem.page_rows, first, w.end, kv_token_base, page_stride, token_stride);
     };
     Barrier::wait(&smem.k_empty[stage], free_phase);
-    load_kv_tile<T, T::kCellsQK>(k_smem, k_head, tid, row_offset(p.kv_stride_page, p.kv_stride_token), [&](int row, int cell) {
+    load_kv_tile<T, T::kTileCellsQK, T::kCellsQK>(k_smem, k_head, tid, row_offset(p.kv_stride_page, p.kv_stride_token), [&](int row, int cell) {
       return swizzled_offset<typename T::SmemLayoutK, typename T::Element>(row, cell * T::kCellElements, stage);
     });
     cp_async_arrive_noinc(&smem.k_full[stage]);  // one of kFullArrivals
@@ -318,7 +320,7 @@ __device__ __forceinline__ void produce(typename T::SharedStorage& smem, const K
       load_v_tile_transposed<T>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), stage);
       arrive_stored<T>(&smem.v_full[stage], kBarrierProducer, tid);
     } else {
-      load_kv_tile<T, T::kCellsVO>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), [&](int row, int cell) {
+      load_kv_tile<T, T::kTileCellsVO, T::kCellsVO>(v_smem, v_head, tid, row_offset(p.v_stride_page, p.v_stride_token), [&](int row, int cell) {
         return swizzled_offset<typename T::SmemLayoutVt, typename T::Element>(cell * T::kCellElements, row, stage);
       });
       cp_async_arrive_noinc(&smem.v_full[stage]);

@@ -103,7 +103,7 @@ struct QBuffer {
 template <typename T>
 __device__ __forceinline__ QBuffer<T> q_buffer(typename T::SharedStorage& smem, int item) {
   const int b = item % T::kQBuffers;
-  return {smem.q + b * T::kBlockM * T::kHeadDimQK, &smem.q_full[b], &smem.q_empty[b],
+  return {smem.q + b * T::kBlockM * T::kTileDimQK, &smem.q_full[b], &smem.q_empty[b],
           uint32_t(item / T::kQBuffers) & 1};
 }
 

@@ -130,11 +130,19 @@ struct PrefillTraits {
   static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one type (rule fa3-same-dtype-family)");
   static_assert(sizeof(DTypeO) == 2, "fa3 prefill dtypes: o is half or bf16 (rule o-not-fp8)");
   static constexpr int kElementBytes = int(sizeof(DTypeKV));
-  // Rows must fill whole 128-byte swizzle lines (a TMA box's width): 64 16-bit or 128 fp8 elements.
+  // The tile-size choice for the head dims starts here (kTileDim*, then kInOrder, kConsumerWarpgroups,
+  // kBlockN, kStages below). Tiles are built of 128-byte column blocks (a TMA box, a swizzle line):
+  // 64 16-bit or 128 fp8 elements. A 16-bit head dim between them (80, 96, 112 -> 128; 160 -> 192;
+  // 224 -> 256) runs on the padded tile dim: TMA boxes fill the columns past the tensor maps' real
+  // extent with zeros, the gathering copies zero-fill them without a read, so Q and K padding adds
+  // 0 to q.k; P.V's padding columns (wgmma N = kTileDimVO, a multiple of 64) are never stored.
   static constexpr int kLineElements = host::kTmaBoxBytes / kElementBytes;
-  static_assert(kHeadDimQK % kLineElements == 0 && kHeadDimVO % kLineElements == 0 && kHeadDimQK <= 256 &&
-                    kHeadDimVO <= 256,
-                "fa3 prefill head dims: multiples of 64 (16-bit) or 128 (fp8) up to 256 (rule fa3-head-dims)");
+  static constexpr int kTileDimQK = (kHeadDimQK + kLineElements - 1) / kLineElements * kLineElements;
+  static constexpr int kTileDimVO = (kHeadDimVO + kLineElements - 1) / kLineElements * kLineElements;
+  static_assert(kHeadDimQK % 16 == 0 && kHeadDimVO % 16 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
+                "fa3 prefill head dims: multiples of 16 up to 256 (rules head-dims-multiple-of-16, prefill-head-dims-max-256)");
+  static_assert(!kFp8 || (kTileDimQK == kHeadDimQK && kTileDimVO == kHeadDimVO),
+                "fa3 fp8 head dims: whole 128-byte lines, 128 or 256 (rule fa3-fp8-head-dims)");
 
   using Element = typename CuteElement<DTypeKV>::type;
   // P as the P.V wgmma's A operand: the 16-bit type, or e4m3 for either fp8 format (its 3 mantissa
@@ -172,7 +180,7 @@ struct PrefillTraits {
   // at 160 registers (ptxas then serializes the wgmmas, C7512). Paged kernels keep 128 or 64, which
   // every power-of-two page up to 128 divides, so their boxes are whole pages; soft cap and sliding
   // window too. kWideKvTile: the wider width, 0 where none applies.
-  static constexpr int kHeadDims = kHeadDimQK + kHeadDimVO;
+  static constexpr int kHeadDims = kTileDimQK + kTileDimVO;
   static constexpr int kWideKvTile = !kFp8 && !kPagedKV && !kSoftCap && !kSlidingWindow && kHeadDims > 320 ? 80 : 0;
   static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kFp8 || kHeadDims <= 320 ? 128 : 64;
   // Pingpong between the two overlapping consumer warpgroups (scheduler_wait), so one's GEMMs run
@@ -186,9 +194,9 @@ struct PrefillTraits {
   // A third K/V stage where it fits (hd <= 128 at 128 tokens, paged too: its page table is one 1 KB
   // slot); the fixed bytes are the Q tile, the page table, the slack for aligning the base and the
   // barriers.
-  static constexpr int kQBytes = kBlockM * kHeadDimQK * kElementBytes;
-  static constexpr int kTileBytesK = kBlockN * kHeadDimQK * kElementBytes;
-  static constexpr int kTileBytesV = kBlockN * kHeadDimVO * kElementBytes;
+  static constexpr int kQBytes = kBlockM * kTileDimQK * kElementBytes;
+  static constexpr int kTileBytesK = kBlockN * kTileDimQK * kElementBytes;
+  static constexpr int kTileBytesV = kBlockN * kTileDimVO * kElementBytes;
   static constexpr int kStageBytes = kTileBytesK + kTileBytesV;
   static constexpr int kTableBytes = kPagedKV ? kBlockN * 8 : 0;
   // Whether tiles of `bytes` fit shared memory beside the page table, the barriers and the slack
@@ -238,8 +246,10 @@ struct PrefillTraits {
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
                 "fa3 prefill: setmaxnreg asks for more registers than the launch holds");
   static constexpr int kCellElements = 16 / kElementBytes;  // elements per 16-byte cell
-  static constexpr int kCellsQK = kHeadDimQK / kCellElements;  // cells per Q/K row
+  static constexpr int kCellsQK = kHeadDimQK / kCellElements;  // cells per Q/K row of the tensors
   static constexpr int kCellsVO = kHeadDimVO / kCellElements;
+  static constexpr int kTileCellsQK = kTileDimQK / kCellElements;  // and of the tiles, padding included
+  static constexpr int kTileCellsVO = kTileDimVO / kCellElements;
 
   // K-major 128B-swizzled tiles for Q and K. 16-bit V keeps its natural [kv, d] rows, which the PV
   // wgmma reads as an MN-major B operand (the descriptor may transpose 16-bit types); fp8 V is
@@ -251,15 +261,15 @@ struct PrefillTraits {
                                      cute::Step<cute::_2, cute::_1, cute::_3>>;
   static constexpr auto kMajorV = kFp8 ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
   using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
-                                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimQK>>{}));
+                                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kTileDimQK>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimQK>, cute::Int<kStages>>{}));
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kTileDimQK>, cute::Int<kStages>>{}));
   using SmemLayoutVt = decltype(cute::tile_to_shape(
-      VtAtom{}, cute::Shape<cute::Int<kHeadDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{}, VtOrder{}));
+      VtAtom{}, cute::Shape<cute::Int<kTileDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{}, VtOrder{}));
   using SmemLayoutVRows = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimVO>, cute::Int<kVStaging != 0 ? kVStaging : 1>>{}));
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kTileDimVO>, cute::Int<kVStaging != 0 ? kVStaging : 1>>{}));
   // P as the PV wgmma's A operand: the 16-bit ((2, 2, 2), 1, N/16) of 16-key blocks, or the fp8
   // ((4, 2, 2), 1, N/32) of 32-key blocks; both hold S's kBlockN / 2 values per thread.
   using FragmentPShape = std::conditional_t<
@@ -275,11 +285,11 @@ struct PrefillTraits {
   using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
   using TiledMmaQK = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDimQK>>>(),
+                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kTileDimQK>>>(),
       WarpgroupsAlongM{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<ElementP, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kHeadDimVO>, cute::Int<kBlockN>>,
+                                 cute::Shape<cute::_64, cute::Int<kTileDimVO>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::K, kMajorV>(),
       WarpgroupsAlongM{}));
 
@@ -288,10 +298,10 @@ struct PrefillTraits {
   static constexpr int kExchangeFloats = 4 * 8;
 
   struct SharedStorage {
-    alignas(1024) Element q[kQBuffers * kBlockM * kHeadDimQK];  // swizzle atoms are 1024 bytes
-    alignas(1024) Element k[kStages * kBlockN * kHeadDimQK];
-    alignas(1024) Element v[kStages * kBlockN * kHeadDimVO];
-    alignas(1024) Element v_rows[kVStaging * kBlockN * kHeadDimVO];  // fp8: V as it lies in memory
+    alignas(1024) Element q[kQBuffers * kBlockM * kTileDimQK];  // swizzle atoms are 1024 bytes
+    alignas(1024) Element k[kStages * kBlockN * kTileDimQK];
+    alignas(1024) Element v[kStages * kBlockN * kTileDimVO];
+    alignas(1024) Element v_rows[kVStaging * kBlockN * kTileDimVO];  // fp8: V as it lies in memory
     // Keys along M: P^T of tiles n % 2, and the rows' maxima (by tile parity) and sums of the four
     // warps (each warp's keys are a quarter of the tile's).
     alignas(1024) ElementP p[kKeysAlongM ? 2 * 8 * kBlockN : 0];

@@ -5,7 +5,7 @@
 //   kv_len[r]    = paged ? (pages ? (pages - 1) * page_size + last_page_len : 0) : token count
 //   q_pos(t)     = t + kv_len - qo_len; packed row p of a request is (token p / g, head p % g)
 //   cta_tile_q   = fixed_cta_tile_q when > 0 (fa3); else 128 if the packed-length estimate > 64 and
-//                  head_dim_qk < 256, else 64 if > 16,
+//                  head_dim_qk <= 192, else 64 if > 16,
 //                  else 16; the estimate is total_rows * g / B, or under CUDA graphs the static
 //                  (row_capacity - B + 1) * g, so a captured graph keeps its variant.
 //   q tiles[r]   = ceil(qo_len * g / cta_tile_q)  (a request without queries has none)
@@ -46,7 +46,7 @@ constexpr int32_t kBadInput = 1;
 // The q tile height of every CTA in this plan: tall tiles amortize
 // each kv load over more rows, but on short prompts they would run mostly empty.
 inline int32_t cta_tile_q(int64_t packed_len_estimate, int32_t head_dim_qk) {
-  if (packed_len_estimate > 64 && head_dim_qk < 256) return 128;
+  if (packed_len_estimate > 64 && head_dim_qk <= 192) return 128;  // fa2 has no 128-row tile above 192
   return packed_len_estimate > 16 ? 64 : 16;
 }
 

@@ -1,0 +1,166 @@
+"""Every padded head dim (80, 96, 112, 160, 192, 224: rows that do not fill whole 128-byte lines or
+power-of-two lane groups) in every kernel family, against attnforge.reference.
+
+The modules are those of head_dims_manifest.toml beside this file (build them at once first:
+`attnforge build --manifest tests/kernels/head_dims_manifest.toml`). Shapes reach the padding's edge
+cases: three requests of odd lengths, partial last pages, GQA 4 (and 3, whose packed rows fa3
+gathers instead of boxing), split KV so the merges run on real-width partial rows. Outputs are
+NaN-poisoned first and cache rows no request owns hold NaN, so a padding column that reads past a
+row, or one left unstored, shows up as NaN or as an error against the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnforge
+from attnforge import page, reference
+from attnforge.codegen import manifest
+from attnforge.codegen.spec import Backend, Kind
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+WORKSPACE = 128 << 20
+QO_LENS, KV_LENS = [1, 37, 130], [45, 300, 161]
+DECODE_KV_LENS = [45, 1000, 161]  # the 1000-key request splits (fixed_split_size), so the merge runs
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}
+# relative L2 error of o against the fp32 reference, by the cache's dtype (bf16 / fp16 rounding; an
+# fp8 cache's own rounding is in the reference's input, the query stays bf16)
+REL_L2_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float8_e4m3fn: 1e-2}
+SPECS = manifest.load(Path(__file__).with_name("head_dims_manifest.toml")).specs
+
+
+def _specs(kind: Kind, backend: Backend) -> list:
+    return [s for s in SPECS if s.kind is kind and s.backend is backend]
+
+
+def _id(spec) -> str:
+    return f"hd{spec.head_dim_qk}-q{spec.dtype_q.short}-kv{spec.dtype_kv.short}"
+
+
+def randn(gen: torch.Generator, *shape) -> torch.Tensor:
+    return torch.randn(shape, device=DEVICE, generator=gen)
+
+
+def indptr_of(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def paged_cache(k, v, kv_lens, page_size, dtype, gen):
+    """k, v [total_kv, heads, dim] (fp32) in shuffled pages of NaN-filled pools, cast to dtype.
+    Returns (cache, indptr, page ids, last page lengths)."""
+    pages = [math.ceil(n / page_size) for n in kv_lens]
+    pool = sum(pages) + 2
+    ids = torch.randperm(pool, device=DEVICE, generator=gen)[: sum(pages)].to(torch.int32)
+    indptr = indptr_of(pages).to(DEVICE)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(kv_lens, pages)], dtype=torch.int32, device=DEVICE)
+    pools = [torch.full((pool, page_size, *k.shape[1:]), math.nan, device=DEVICE) for _ in range(2)]
+    seq_lens = page.get_seq_lens(indptr, last, page_size)
+    batch, positions = page.get_batch_indices_positions(indptr_of(kv_lens).to(DEVICE), seq_lens, k.shape[0])
+    page.append_paged_kv_cache(k, v, batch, positions, (pools[0], pools[1]), ids, indptr, last)
+    return tuple(x.to(dtype) for x in pools), indptr, ids, last
+
+
+def poisoned(rows: int, heads: int, dim: int, dtype: torch.dtype):
+    return (torch.full((rows, heads, dim), math.nan, dtype=dtype, device=DEVICE),
+            torch.full((rows, heads), math.nan, dtype=torch.float32, device=DEVICE))
+
+
+def assert_close(out, lse, o_ref, lse_ref, dtype, what: str) -> None:
+    nan_cols = out.isnan().any(dim=0).any(dim=0).nonzero().flatten().tolist()
+    assert not nan_cols, f"{what}: o columns left unwritten or read NaN: {nan_cols[:16]}"
+    assert not lse.isnan().any(), f"{what}: lse rows left unwritten"
+    err = (out.float() - o_ref.float()).norm(dim=(0, 1)) / o_ref.float().norm(dim=(0, 1)).clamp_min(1e-6)
+    diff = (out.float() - o_ref.float()).norm() / o_ref.float().norm()
+    worst = err.argmax().item()
+    assert diff <= REL_L2_TOL[dtype], (f"{what}: relative L2 error {diff:.3g} > {REL_L2_TOL[dtype]} "
+                                       f"(worst column {worst}: {err[worst]:.3g})")
+    torch.testing.assert_close(lse, lse_ref.float(), atol=2e-2, rtol=1e-3, msg=lambda m: f"{what}: lse: {m}")
+
+
+def _decode(spec, tensor_cores: bool, backend: str, page_size: int, heads=(8, 2)):
+    dim = spec.head_dim_qk
+    q_dtype, kv_dtype = TORCH_DTYPE[spec.dtype_q.short], TORCH_DTYPE[spec.dtype_kv.short]
+    gen = torch.Generator(device=DEVICE).manual_seed(dim)
+    k, v = (randn(gen, sum(DECODE_KV_LENS), heads[1], dim) for _ in range(2))
+    cache, indptr, ids, last = paged_cache(k, v, DECODE_KV_LENS, page_size, kv_dtype, gen)
+    q = randn(gen, len(DECODE_KV_LENS), heads[0], dim).to(q_dtype)
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE),
+                                                           use_tensor_cores=tensor_cores, backend=backend)
+    wrapper.plan(indptr, ids, last, *heads, dim, page_size, q_data_type=q_dtype, kv_data_type=kv_dtype,
+                 o_data_type=q_dtype, fixed_split_size=8)
+    out, lse = poisoned(q.shape[0], heads[0], dim, q_dtype)
+    wrapper.run(q, cache, out=out, lse=lse, return_lse=True)
+    o_ref, lse_ref = reference.batch_prefill_paged(q.float(), tuple(x.float() for x in cache),
+                                                   indptr_of([1] * len(DECODE_KV_LENS)), indptr, ids, last, causal=True)
+    what = f"{'tensor-core' if tensor_cores else 'cuda-core'} decode {backend} {_id(spec)} page {page_size}"
+    assert_close(out, lse, o_ref, lse_ref, kv_dtype, what)
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+@pytest.mark.parametrize("spec", _specs(Kind.DECODE, Backend.FA2), ids=_id)
+def test_cuda_core_decode(spec, page_size):
+    _decode(spec, tensor_cores=False, backend="fa2", page_size=page_size)
+
+
+@pytest.mark.parametrize("spec", _specs(Kind.PREFILL, Backend.FA2), ids=_id)
+def test_tensor_core_decode_fa2(spec):
+    _decode(spec, tensor_cores=True, backend="fa2", page_size=16)
+
+
+def _prefill(spec, layout: str, causal: bool, page_size: int = 16, heads=(8, 2)):
+    dim = spec.head_dim_qk
+    q_dtype, kv_dtype = TORCH_DTYPE[spec.dtype_q.short], TORCH_DTYPE[spec.dtype_kv.short]
+    gen = torch.Generator(device=DEVICE).manual_seed(dim + causal)
+    q = randn(gen, sum(QO_LENS), heads[0], dim).to(q_dtype)
+    k, v = randn(gen, sum(KV_LENS), heads[1], dim), randn(gen, sum(KV_LENS), heads[1], dim)
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
+    options = dict(causal=causal, q_data_type=q_dtype, kv_data_type=kv_dtype, o_data_type=q_dtype, fixed_split_size=64)
+    out, lse = poisoned(q.shape[0], heads[0], dim, q_dtype)
+    backend = spec.backend.value
+    if layout == "ragged":
+        k_in, v_in = k.to(kv_dtype), v.to(kv_dtype)
+        wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=backend)
+        wrapper.plan(indptr_of(QO_LENS), indptr_of(KV_LENS), *heads, dim, **options)
+        wrapper.run(q, k_in, v_in, out=out, lse=lse, return_lse=True)
+        o_ref, lse_ref = reference.batch_prefill_ragged(q.float(), k_in.float(), v_in.float(), indptr_of(QO_LENS),
+                                                        indptr_of(KV_LENS), causal=causal)
+    else:
+        cache, indptr, ids, last = paged_cache(k, v, KV_LENS, page_size, kv_dtype, gen)
+        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend=backend)
+        wrapper.plan(indptr_of(QO_LENS), indptr, ids, last, *heads, dim, page_size, **options)
+        wrapper.run(q, cache, out=out, lse=lse, return_lse=True)
+        o_ref, lse_ref = reference.batch_prefill_paged(q.float(), tuple(x.float() for x in cache), indptr_of(QO_LENS),
+                                                       indptr, ids, last, causal=causal)
+    what = f"{backend} prefill {layout} {_id(spec)} causal={causal} page {page_size} heads {heads}"
+    assert_close(out, lse, o_ref, lse_ref, kv_dtype, what)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", ["paged", "ragged"])
+@pytest.mark.parametrize("spec", _specs(Kind.PREFILL, Backend.FA2), ids=_id)
+def test_fa2_prefill(spec, layout, causal):
+    if layout == "ragged" and spec.dtype_kv.is_fp8:
+        pytest.skip("ragged KV is 16-bit (fp8 caches are paged)")
+    _prefill(spec, layout, causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", ["paged", "paged-page5", "ragged"])
+@pytest.mark.parametrize("spec", _specs(Kind.PREFILL, Backend.FA3), ids=_id)
+def test_fa3_prefill(spec, layout, causal):
+    """Paged with 16-token pages (boxed by TMA, or gathered ahead), with 5-token pages (gathered by
+    the producer's cp.async), ragged (TMA boxes): each fills the padding columns its own way."""
+    _prefill(spec, layout.split("-")[0], causal, page_size=5 if layout.endswith("page5") else 16)
+
+
+@pytest.mark.parametrize("spec", _specs(Kind.PREFILL, Backend.FA3), ids=_id)
+def test_fa3_prefill_gqa3_gathers_q(spec):
+    """GQA 3: a group that does not divide the tile, so fa3 gathers Q with cp.async (its padding
+    cells zero-filled) instead of boxing it."""
+    _prefill(spec, "paged", True, heads=(6, 2))
