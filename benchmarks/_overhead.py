@@ -4,13 +4,20 @@ A batch-1 decode kernel takes a few µs, so back-to-back eager calls are bound b
 per-call time minus that of replaying the same call from a CUDA graph (the kernel alone, launched
 without Python) is the host time run() adds. Also reported: the host time of one call measured on
 the CPU clock (the calls are asynchronous; the queue never fills at this count).
+
+Each library is measured in a process of its own (`python -m attnforge.benchmarks._overhead LIBRARY
+LAYOUT`, one JSON row per decode path on stdout): importing FlashInfer into a process was measured to
+slow attnforge's run() loops there by 5 µs per call (13.0 -> 18.2 µs of overhead, H200 host).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -53,3 +60,31 @@ def measure(call) -> Overhead:
     settle(graph.replay, 20)
     replay = [_loop_us(graph.replay, CALLS)[0] for _ in range(REPEATS)]
     return Overhead(statistics.median(eager), statistics.median(replay), statistics.median(host))
+
+
+def in_own_process(library: str, layout: str) -> list[dict]:
+    """Both decode paths' Overhead for `library` ("attnforge" or "flashinfer"), measured in a child
+    process that imports only that library."""
+    done = subprocess.run([sys.executable, "-m", "attnforge.benchmarks._overhead", library, layout],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{library} overhead measurement failed:\n{done.stderr[-2000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def main(library: str, layout: str) -> None:
+    import importlib
+
+    from . import decode
+
+    module = importlib.import_module(library)
+    problem = decode.make_problem(1, decode.OVERHEAD_KV_LEN, layout)
+    for tensor_cores in (False, True):
+        workspace = torch.empty(decode.OVERHEAD_WORKSPACE, dtype=torch.uint8, device="cuda")
+        call, _ = decode.decode_call(module, problem, layout, workspace, tensor_cores)
+        found = measure(call)
+        print(json.dumps(dict(tensor_cores=tensor_cores, **asdict(found))), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

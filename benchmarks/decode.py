@@ -165,21 +165,15 @@ def flashinfer_or_reason():
 
 
 def overhead_rows(layout: str) -> tuple[list[dict], str]:
-    """run()'s host overhead at batch 1 x OVERHEAD_KV_LEN, ours and FlashInfer's, both decode paths."""
-    import attnforge
-
-    problem = make_problem(1, OVERHEAD_KV_LEN, layout)
+    """run()'s host overhead at batch 1 x OVERHEAD_KV_LEN, ours and FlashInfer's, both decode paths,
+    each library in a process of its own (_overhead.in_own_process)."""
     flashinfer, note = flashinfer_or_reason()
-    libraries = [("attnforge", attnforge)] + ([("flashinfer", flashinfer)] if flashinfer is not None else [])
     rows = []
-    for name, library in libraries:
-        for tensor_cores in (False, True):
-            workspace = torch.empty(OVERHEAD_WORKSPACE, dtype=torch.uint8, device="cuda")
-            call, _ = decode_call(library, problem, layout, workspace, tensor_cores)
-            found = _overhead.measure(call)
-            rows.append(dict(library=name, path="tensor cores" if tensor_cores else "CUDA cores", batch=1,
-                             kv_len=OVERHEAD_KV_LEN, eager_us=found.eager_us, graph_us=found.graph_us,
-                             overhead_us=found.overhead_us, host_us=found.host_us))
+    for name in ["attnforge"] + (["flashinfer"] if flashinfer is not None else []):
+        for found in _overhead.in_own_process(name, layout):
+            rows.append(dict(library=name, path="tensor cores" if found["tensor_cores"] else "CUDA cores", batch=1,
+                             kv_len=OVERHEAD_KV_LEN, eager_us=found["eager_us"], graph_us=found["graph_us"],
+                             overhead_us=found["eager_us"] - found["graph_us"], host_us=found["host_us"]))
     return rows, note
 
 
