@@ -321,3 +321,20 @@ def test_cuda_graph_replay_reads_the_sinks_of_the_replay(tensor_cores):
         torch.cuda.synchronize()
         o_ref, lse_ref = cache.reference(q, 1, {}, sinks=sinks)
         _assert_matches(out, lse, o_ref, lse_ref, torch.bfloat16)
+
+
+def test_run_names_bad_sinks():
+    """run() checks sinks as it checks q: the argument, what was expected and what was given."""
+    gen = _gen(15)
+    cache = Cache(gen, [40, 7], 2, 16, torch.bfloat16)
+    q = torch.randn(2, 8, HEAD_DIM, device=DEVICE, generator=gen).to(torch.bfloat16)
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    wrapper.plan(cache.indptr, cache.ids, cache.last, 8, 2, HEAD_DIM, 16, q_data_type=torch.bfloat16)
+    for bad, words in [(torch.zeros(8, device=DEVICE, dtype=torch.bfloat16), ("torch.float32", "torch.bfloat16")),
+                       (torch.zeros(4, device=DEVICE), ("(8,)", "[num_qo_heads]", "(4,)")),
+                       (torch.zeros(8), ("cuda", "cpu")),
+                       (torch.zeros(16, device=DEVICE)[::2], ("contiguous",))]:
+        with pytest.raises(ValueError) as info:
+            wrapper.run(q, cache.pages, sinks=bad)
+        assert str(info.value).startswith("sinks:") and all(w in str(info.value) for w in words), str(info.value)
+    wrapper.run(q, cache.pages, sinks=torch.zeros(8, device=DEVICE))  # a good one after bad ones
