@@ -16,8 +16,9 @@
 //   Output: softmax-normalized o and base-2 lse (log2 of the denominator plus the scaled max),
 //   either straight into o/lse or, for a split request, into the fp32 partial slot the plan gave.
 //   A row written to o joins its attention sink (p.sinks, common::with_sink); a partial row does
-//   not (the merge joins it). An empty range writes o = 0, lse = -inf (before the sink). A page id outside [0, num_pages) never reaches
-//   memory: the CTA reads page 0 instead, writes NaN, and raises the plan's error word.
+//   not (the merge joins it). An empty range writes o = 0, lse = -inf (before the sink). A page id
+//   outside [0, num_pages) never reaches memory: the CTA reads page 0 instead, writes NaN, and
+//   raises the plan's error word.
 //   PDL (common/pdl.cuh): every thread waits before the first plan read; the kv loop's end lets the
 //   next kernel launch.
 //
