@@ -182,18 +182,28 @@ def split_size(value, page_size: int = 1) -> None:
         int32_times(value, "fixed_split_size", page_size, f"times page_size={page_size}, the kv tokens of a chunk")
 
 
-def run_extras(planned_window_left: int, enable_pdl, window_left, sinks, kernel: str) -> None:
+def run_extras(planned_window_left: int, enable_pdl, window_left) -> None:
     """run() arguments FlashInfer has that need a check here: enable_pdl is True, False or None
-    (dispatch.pdl_flag reads it), sinks are refused, and a window may only repeat the planned one
-    (the plan cut the kv ranges to it)."""
+    (dispatch.pdl_flag reads it), and a window may only repeat the planned one (the plan cut the kv
+    ranges to it). sinks are checked by checks.sinks."""
     if enable_pdl is not None and enable_pdl not in (True, False):
         raise ValueError(f"enable_pdl: expected True, False or None (on where the device supports PDL), got "
                          f"{enable_pdl!r}")
-    if sinks is not None:
-        raise ValueError(f"run(): attention sinks are not supported by {kernel}")
     if window_left is not None and window_left != planned_window_left:
         raise ValueError(f"window_left: plan() was called with {planned_window_left}, run() got {window_left}; "
                          "plan again to change the window")
+
+
+def sinks(x, num_qo_heads: int, expected_device: torch.device) -> torch.Tensor:
+    """run()'s attention sinks: a contiguous float32 tensor [num_qo_heads] on the plan's device, one
+    logit per query head (natural log, in the units of the scaled scores), that the kernels read."""
+    tensor(x, "sinks")
+    dtype(x, "sinks", torch.float32, "one fp32 logit per query head")
+    device(x, "sinks", expected_device)
+    shape(x, "sinks", (num_qo_heads,), "[num_qo_heads]")
+    if not x.is_contiguous():
+        raise ValueError(f"sinks: expected a contiguous tensor, got strides {tuple(x.stride())}")
+    return x
 
 
 def scale(value, name: str) -> float | None:

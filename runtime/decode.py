@@ -416,6 +416,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             skip_softmax_threshold_scale_factor: float | None = None, kv_cache_sf=None):
         """Attention of q [batch, num_qo_heads, head_dim] over the planned pages of paged_kv_cache.
         Returns o (planned o dtype), or (o, lse) with lse [batch, num_qo_heads] fp32 base 2.
+        sinks: None, or gpt-oss attention sinks, a float32 tensor [num_qo_heads] on the device: one
+        logit per query head, in the units of the scaled scores s_j (natural log, not multiplied by
+        sm_scale), added to the softmax denominator as a key with no value:
+        o = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)); lse includes it,
+        lse = log2(2^(sink*log2(e)) + sum_j 2^(s_j*log2(e))).
         enable_pdl: launch with programmatic dependent launch (None: where the device is sm90+;
         True on an older device is off, as in FlashInfer)."""
         if skip_softmax_threshold_scale_factor is not None or kv_cache_sf is not None:
@@ -438,8 +443,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             q_scale, k_scale, v_scale = checks.positional_scales(args, False, q_scale, k_scale, v_scale)
             q_scale, k_scale = checks.scale(q_scale, "q_scale"), checks.scale(k_scale, "k_scale")
             v_scale = checks.scale(v_scale, "v_scale")
-        if enable_pdl is not None or window_left is not None or sinks is not None:
-            checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the decode kernel")
+        if enable_pdl is not None or window_left is not None:
+            checks.run_extras(plan.window_left, enable_pdl, window_left)
         accepted = plan.accepted
         accepted.ensure(q, self._check_q)
         cache = accepted.paged(paged_kv_cache, self._check_cache)
@@ -458,6 +463,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         params = plan.params
         params.q, params.k, params.v = q.data_ptr(), cache.k_ptr, cache.v_ptr
         params.o, params.lse = out.data_ptr(), lse.data_ptr() if return_lse else None
+        params.sinks = accepted.sinks_ptr(sinks, plan.num_qo_heads, self._device)
         params.q_stride_n, params.q_stride_h = q.stride(0), q.stride(1)
         params.o_stride_n, params.o_stride_h = out.stride(0), out.stride(1)
         params.num_pages = cache.num_pages

@@ -157,7 +157,7 @@ class _BatchPrefillWrapper:
     # ------------------------------------------------------------------ run
     def _launch(self, q: torch.Tensor, k_ptr: int, v_ptr: int, k_strides: tuple, v_strides: tuple,
                 num_pages: int, args: tuple, q_scale, k_scale, v_scale, out, lse, return_lse: bool,
-                enable_pdl: bool | None) -> object:
+                enable_pdl: bool | None, sinks) -> object:
         plan = self._plan
         accepted = plan.accepted
         if args or plan.fp8_query or q_scale is not None or k_scale is not None or v_scale is not None:
@@ -178,6 +178,7 @@ class _BatchPrefillWrapper:
             self._set_scales(scales)
         params.q, params.k, params.v = q.data_ptr(), k_ptr, v_ptr
         params.o, params.lse = out.data_ptr(), lse.data_ptr() if return_lse else None
+        params.sinks = accepted.sinks_ptr(sinks, plan.num_qo_heads, self._device)
         params.q_stride_n, params.q_stride_h = q.stride(0), q.stride(1)
         params.o_stride_n, params.o_stride_h = out.stride(0), out.stride(1)
         params.kv_stride_page, params.kv_stride_token, params.kv_stride_head = k_strides
@@ -313,7 +314,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
             uses_spcompress: bool | None = None):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over the planned pages. Returns o,
         or (o, lse) with lse [qo_indptr[-1], num_qo_heads] fp32 base 2. enable_pdl: programmatic
-        dependent launch (None: where the device is sm90+; True on an older device is off)."""
+        dependent launch (None: where the device is sm90+; True on an older device is off).
+        sinks: None, or gpt-oss attention sinks, a float32 tensor [num_qo_heads] on the device: one
+        logit per query head, in the units of the scaled scores s_j (natural log, not multiplied by
+        sm_scale), added to each row's softmax denominator as a key with no value:
+        o = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)); lse includes it,
+        lse = log2(2^(sink*log2(e)) + sum_j 2^(s_j*log2(e)))."""
         plan = self._require_plan()
         if (lse_base, lse_layout) != ("log2", "NH") or kv_cache_sf is not None or use_fp16_softmax or \
                 skip_softmax_threshold_scale_factor is not None or uses_spcompress:
@@ -323,14 +329,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         if is_compiling():
             return compile_ops.batch_run("batch_prefill_paged", self, plan.dtype_o, q, paged_kv_cache, args, q_scale,
                                          k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
-        if enable_pdl is not None or window_left is not None or sinks is not None:
-            checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
+        if enable_pdl is not None or window_left is not None:
+            checks.run_extras(plan.window_left, enable_pdl, window_left)
         cache = plan.accepted.paged(paged_kv_cache, self._check_cache)
         if plan.host_max_page is not None and plan.host_max_page >= cache.num_pages:
             raise ValueError(f"paged_kv_indices: page id {plan.host_max_page} is out of range for a cache of "
                              f"{cache.num_pages} pages")
         return self._launch(q, cache.k_ptr, cache.v_ptr, cache.strides, cache.strides, cache.num_pages, args, q_scale,
-                            k_scale, v_scale, out, lse, return_lse, enable_pdl)
+                            k_scale, v_scale, out, lse, return_lse, enable_pdl, sinks)
 
     def _check_cache(self, paged_kv_cache):
         plan = self._plan
@@ -402,22 +408,22 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
             return_lse: bool = False, lse_base: str = "log2", lse_layout: str = "NH", enable_pdl: bool | None = None,
             kv_cache_sf=None, window_left: int | None = None, sinks=None):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over k [kv_indptr[-1], num_kv_heads,
-        head_dim_qk] and v [..., head_dim_vo] (NHD; HND puts heads first). enable_pdl as in the paged
-        wrapper's run()."""
+        head_dim_qk] and v [..., head_dim_vo] (NHD; HND puts heads first). enable_pdl and sinks (gpt-oss
+        attention sinks, fp32 [num_qo_heads], counted in lse) as in the paged wrapper's run()."""
         plan = self._require_plan()
         if (lse_base, lse_layout) != ("log2", "NH") or kv_cache_sf is not None or o_scale not in (None, 1.0):
             _refuse_run(lse_base=lse_base, lse_layout=lse_layout, kv_cache_sf=kv_cache_sf, o_scale=o_scale)
         if is_compiling():
             return compile_ops.batch_run("batch_prefill_ragged", self, plan.dtype_o, q, (k, v), args, q_scale,
                                          k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
-        checks.run_extras(plan.window_left, enable_pdl, window_left, sinks, "the prefill kernels")
+        checks.run_extras(plan.window_left, enable_pdl, window_left)
         kv_cache.check_ragged(k, v, self._kv_layout, plan.total_kv, plan.num_kv_heads, plan.head_dim_qk,
                               plan.head_dim_vo, plan.dtype_kv, self._device)
         k_token, k_head = kv_cache.ragged_strides(k, self._kv_layout)
         v_token, v_head = kv_cache.ragged_strides(v, self._kv_layout)
         # A ragged cache is a paged one of one-token pages: num_pages carries its rows (fa3 boxes them by TMA).
         return self._launch(q, k.data_ptr(), v.data_ptr(), (0, k_token, k_head), (0, v_token, v_head), plan.total_kv,
-                            args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl)
+                            args, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, sinks)
 
     def run_return_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs):
         return self.run(q, k, v, *args, return_lse=True, **kwargs)

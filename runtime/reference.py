@@ -21,7 +21,11 @@ Conventions (FlashInfer's):
 - LSE is BASE 2: lse = log2(sum_j exp(s_j)) = logsumexp(s) / ln 2, the form that
   `attnforge.merge` and FlashInfer's merge_state consume;
 - a query row that sees no key (an empty request, or causal with qo_len > kv_len) has o = 0
-  and lse = -inf.
+  and lse = -inf;
+- attention sinks (gpt-oss, FlashInfer's run(sinks=)): sinks [Hq] fp32 holds one logit per query
+  head, in the units of the scaled logits s_j (natural log, not multiplied by sm_scale). It is an
+  extra key with no value: o = sum_j exp(s_j) v_j / (exp(sink_h) + sum_j exp(s_j)), and the lse
+  (base 2) counts it. A row that sees no key then has o = 0 and lse = sink_h / ln 2.
 
 Paged KV cache (FlashInfer's layout): request i owns pages indices[indptr[i]:indptr[i+1]]
 and kv_len(i) = (num_pages - 1) * page_size + last_page_len[i] (0 when it has no pages).
@@ -224,9 +228,20 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, opts: _Options, custom_ma
     return visible
 
 
-def _attend(q, k, v, opts: _Options, custom_mask=None):
+def _sinks(sinks, num_qo_heads: int):
+    """sinks as fp32 [num_qo_heads], or None."""
+    if sinks is None:
+        return None
+    checks.tensor(sinks, "sinks")
+    if not sinks.is_floating_point() or tuple(sinks.shape) != (num_qo_heads,):
+        raise ValueError(f"sinks: expected a float tensor of shape ({num_qo_heads},) (one logit per query head), "
+                         f"got {sinks.dtype} of shape {tuple(sinks.shape)}")
+    return sinks.float()
+
+
+def _attend(q, k, v, opts: _Options, custom_mask=None, sinks=None):
     """One request: q [qo_len, Hq, Dqk], k [kv_len, Hkv, Dqk], v [kv_len, Hkv, Dvo], all on one
-    device; custom_mask bool [qo_len, kv_len] or None.
+    device; custom_mask bool [qo_len, kv_len] or None; sinks fp32 [Hq] or None.
     Returns (o [qo_len, Hq, Dvo] fp32, lse [qo_len, Hq] fp32 base 2)."""
     qo_len, num_qo_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[0], k.shape[1]
@@ -251,9 +266,11 @@ def _attend(q, k, v, opts: _Options, custom_mask=None):
     if opts.soft_cap > 0:
         s = opts.soft_cap * torch.tanh(s / opts.soft_cap)
     s = s.masked_fill(~_visible(q_pos, k_pos, opts, custom_mask), -math.inf)
+    if sinks is not None:  # the sink: one more logit column, whose weight multiplies no value
+        s = torch.cat([s, sinks.to(s.device)[:, None, None].expand(num_qo_heads, qo_len, 1)], dim=-1)
     lse_e = torch.logsumexp(s, dim=-1)  # [Hq, qo_len], natural log; -inf for a row that sees nothing
     # such a row subtracts 0 instead of -inf, so its weights are exp(-inf) = 0 and its o is 0
-    p = torch.exp(s - lse_e.masked_fill(lse_e.isneginf(), 0.0)[..., None])
+    p = torch.exp(s - lse_e.masked_fill(lse_e.isneginf(), 0.0)[..., None])[..., :kv_len]
     o = torch.einsum("kgtl,lkd->tkgd", p.view(num_kv_heads, group, qo_len, kv_len), v.float())
     return o.reshape(qo_len, num_qo_heads, v.shape[-1]), (lse_e / _LN2).T
 
@@ -267,14 +284,16 @@ def _o_dtype(o_dtype, q) -> torch.dtype:
 
 
 def _attend_batch(q, qo_bounds: list[int], ks: list, vs: list, masks: list, opts: _Options, o_dtype: torch.dtype,
-                  head_dim_vo: int):
+                  head_dim_vo: int, sinks=None):
     """Attend request i's rows qo_bounds[i]:qo_bounds[i + 1] of q [total_q, Hq, Dqk] to its own
-    ks[i], vs[i], masks[i]. Returns (o [total_q, Hq, head_dim_vo] in o_dtype, lse [total_q, Hq] fp32)."""
+    ks[i], vs[i], masks[i] (and every row to the sinks [Hq], if given).
+    Returns (o [total_q, Hq, head_dim_vo] in o_dtype, lse [total_q, Hq] fp32)."""
+    sinks = _sinks(sinks, q.shape[1])
     o = q.new_zeros((q.shape[0], q.shape[1], head_dim_vo), dtype=torch.float32)
     lse = q.new_zeros((q.shape[0], q.shape[1]), dtype=torch.float32)
     for i, (k, v, mask) in enumerate(zip(ks, vs, masks)):
         rows = slice(qo_bounds[i], qo_bounds[i + 1])
-        o[rows], lse[rows] = _attend(q[rows], k.to(q.device), v.to(q.device), opts, mask)
+        o[rows], lse[rows] = _attend(q[rows], k.to(q.device), v.to(q.device), opts, mask, sinks)
     return o.to(o_dtype), lse
 
 
@@ -282,17 +301,18 @@ def _attend_batch(q, qo_bounds: list[int], ks: list, vs: list, masks: list, opts
 # decode
 
 
-def single_decode(q, k, v, *, kv_layout: str = "NHD", window_left: int = -1, logits_soft_cap=None, sm_scale=None):
+def single_decode(q, k, v, *, kv_layout: str = "NHD", window_left: int = -1, logits_soft_cap=None, sm_scale=None,
+                  sinks=None):
     """Decode one query against a contiguous cache.
 
-    q [Hq, D]; k, v NHD [kv_len, Hkv, D] or HND [Hkv, kv_len, D].
+    q [Hq, D]; k, v NHD [kv_len, Hkv, D] or HND [Hkv, kv_len, D]; sinks fp32 [Hq] or None.
     Returns (o [Hq, D] fp32, lse [Hq] fp32, base 2).
     """
     if q.dim() != 2:
         raise ValueError(f"q: expected [num_qo_heads, head_dim], got shape {tuple(q.shape)}")
     k, v = _kv_nhd(k, v, kv_layout)
     opts = _options(window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
-    o, lse = _attend(q[None], k, v, opts)
+    o, lse = _attend(q[None], k, v, opts, sinks=_sinks(sinks, q.shape[0]))
     return o[0], lse[0]
 
 
@@ -307,10 +327,12 @@ def batch_decode_paged(
     window_left: int = -1,
     logits_soft_cap=None,
     sm_scale=None,
+    sinks=None,
 ):
     """Decode a batch against a paged cache (FlashInfer's BatchDecode semantics).
 
-    q [B, Hq, D]; indptr [B + 1], indices [indptr[-1]], last_page_len [B] (any device).
+    q [B, Hq, D]; indptr [B + 1], indices [indptr[-1]], last_page_len [B] (any device); sinks fp32
+    [Hq] or None (see the module doc).
     Returns (o [B, Hq, D] fp32, lse [B, Hq] fp32, base 2) on q's device.
     """
     batch_size = q.shape[0]
@@ -326,7 +348,7 @@ def batch_decode_paged(
     ks, vs = gather_dense_kv((k_pages, v_pages), indptr.cpu(), indices, last_page_len.cpu())
     # request i is a prefill of the one query row i
     return _attend_batch(q, list(range(batch_size + 1)), ks, vs, [None] * batch_size, opts, torch.float32,
-                          v_pages.shape[-1])
+                          v_pages.shape[-1], sinks)
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,11 +402,11 @@ def _unpack_masks(packed_custom_mask, mask_indptr, qo_lens: list[int], kv_lens: 
 
 def single_prefill(q, k, v, *, causal: bool = False, kv_layout: str = "NHD", sm_scale=None, window_left: int = -1,
                    logits_soft_cap=None, custom_mask=None, pos_encoding_mode="NONE", rope_scale=None,
-                   rope_theta=None, o_dtype=None):
+                   rope_theta=None, o_dtype=None, sinks=None):
     """Prefill one request against a contiguous cache (FlashInfer's single_prefill_with_kv_cache).
 
     q [qo_len, Hq, Dqk]; k NHD [kv_len, Hkv, Dqk] or HND [Hkv, kv_len, Dqk], v likewise with Dvo;
-    custom_mask bool [qo_len, kv_len] (replaces causal).
+    custom_mask bool [qo_len, kv_len] (replaces causal); sinks fp32 [Hq] or None (see the module doc).
     Returns (o [qo_len, Hq, Dvo] in o_dtype, default q's dtype; lse [qo_len, Hq] fp32, base 2).
     """
     opts = _options(causal=causal, window_left=window_left, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
@@ -392,12 +414,13 @@ def single_prefill(q, k, v, *, causal: bool = False, kv_layout: str = "NHD", sm_
     k, v = _kv_nhd(k, v, kv_layout)
     _check_qk(q, k, "[qo_len, num_qo_heads, head_dim_qk]")
     mask = _custom_mask(custom_mask, q.shape[0], k.shape[0])
-    return _attend_batch(q, [0, q.shape[0]], [k], [v], [mask], opts, _o_dtype(o_dtype, q), v.shape[-1])
+    return _attend_batch(q, [0, q.shape[0]], [k], [v], [mask], opts, _o_dtype(o_dtype, q), v.shape[-1], sinks)
 
 
 def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, causal: bool = False, kv_layout: str = "NHD",
                          sm_scale=None, window_left: int = -1, logits_soft_cap=None, packed_custom_mask=None,
-                         mask_indptr=None, pos_encoding_mode="NONE", rope_scale=None, rope_theta=None, o_dtype=None):
+                         mask_indptr=None, pos_encoding_mode="NONE", rope_scale=None, rope_theta=None, o_dtype=None,
+                         sinks=None):
     """Prefill a batch against a ragged cache (FlashInfer's BatchPrefillWithRaggedKVCache).
 
     q [total_q, Hq, Dqk]; k NHD [total_kv, Hkv, Dqk] (HND [Hkv, total_kv, Dqk]), v likewise with
@@ -416,13 +439,13 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, causal: bool = False,
     vs = [v[kv_bounds[i] : kv_bounds[i + 1]] for i in requests]
     qo_lens = [qo_bounds[i + 1] - qo_bounds[i] for i in requests]
     masks = _unpack_masks(packed_custom_mask, mask_indptr, qo_lens, [x.shape[0] for x in ks])
-    return _attend_batch(q, qo_bounds, ks, vs, masks, opts, _o_dtype(o_dtype, q), v.shape[-1])
+    return _attend_batch(q, qo_bounds, ks, vs, masks, opts, _o_dtype(o_dtype, q), v.shape[-1], sinks)
 
 
 def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *,
                         causal: bool = False, kv_layout: str = "NHD", sm_scale=None, window_left: int = -1,
                         logits_soft_cap=None, packed_custom_mask=None, mask_indptr=None, pos_encoding_mode="NONE",
-                        rope_scale=None, rope_theta=None, o_dtype=None):
+                        rope_scale=None, rope_theta=None, o_dtype=None, sinks=None):
     """Prefill a batch against a paged cache (FlashInfer's BatchPrefillWithPagedKVCache).
 
     q [total_q, Hq, Dqk]; the cache as in the module doc (K pages with Dqk, V pages with Dvo);
@@ -451,4 +474,4 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
                              paged_kv_last_page_len.cpu())
     qo_lens = [qo_bounds[i + 1] - qo_bounds[i] for i in range(batch_size)]
     masks = _unpack_masks(packed_custom_mask, mask_indptr, qo_lens, [x.shape[0] for x in ks])
-    return _attend_batch(q, qo_bounds, ks, vs, masks, opts, _o_dtype(o_dtype, q), v_pages.shape[-1])
+    return _attend_batch(q, qo_bounds, ks, vs, masks, opts, _o_dtype(o_dtype, q), v_pages.shape[-1], sinks)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kv_cache
+from . import checks, kv_cache
 
 
 def form(x: torch.Tensor) -> tuple:
@@ -44,6 +44,15 @@ class Accepted:
     def known(self, x) -> bool:
         """Whether x has a form a full check accepted (and aligned data): no check needed."""
         return isinstance(x, torch.Tensor) and not x.data_ptr() % 16 and form(x) in self._forms
+
+    def sinks_ptr(self, sinks, num_qo_heads: int, device: torch.device) -> int | None:
+        """The address of run()'s attention sinks (None: no sinks), fully checked the first time a
+        form is seen. Kernels read them as fp32 scalars, so any address of a float32 tensor will do."""
+        if sinks is None:
+            return None
+        if not (isinstance(sinks, torch.Tensor) and form(sinks) in self._forms):
+            self.add(checks.sinks(sinks, num_qo_heads, device))
+        return sinks.data_ptr()
 
     def add(self, x: torch.Tensor) -> None:
         self._forms.add(form(x))

@@ -98,6 +98,7 @@ class DecodeLaunch:
     page_size: int = 16
     group: int = 4
     q_len: int = 1  # tokens per request (multi-token decode)
+    sinks: bool = False  # attention sinks: joined in the epilogue, and in the merge for the split request
 
 
 DECODES = {
@@ -112,6 +113,7 @@ DECODES = {
     "tensor-cores-fa3-fp8-page5": DecodeLaunch(True, "fa3", q_dtype=E4M3, kv_dtype=E4M3, page_size=5),
     "multi-token-fa2": DecodeLaunch(True, q_len=3),
     "multi-token-fa3": DecodeLaunch(True, "fa3", q_len=3),
+    "cuda-cores-sinks": DecodeLaunch(False, sinks=True),
 }
 
 
@@ -133,11 +135,12 @@ def test_decode_launch(name):
                  kv_data_type=d.kv_dtype, o_data_type=o_dtype, fixed_split_size=8, q_len_per_req=d.q_len)
     out, lse = poisoned(q.shape, o_dtype)
     scales = SCALES if fp8_kv else {}
-    wrapper.run(q, kv.cache, out=out, lse=lse, return_lse=True, **scales)
+    sinks = randn(gen, qo_heads) if d.sinks else None
+    wrapper.run(q, kv.cache, out=out, lse=lse, return_lse=True, sinks=sinks, **scales)
     # the reference: causal prefill of each request's q_len tokens over its dequantized pages
     cache = tuple(dequantized(x, scales.get(name, 1.0)) for x, name in zip(kv.cache, ("k_scale", "v_scale")))
     o_ref, lse_ref = reference.batch_prefill_paged(q.float(), cache, indptr_of([d.q_len] * len(kv_lens)), kv.indptr,
-                                                   kv.ids, kv.last, causal=True)
+                                                   kv.ids, kv.last, causal=True, sinks=sinks)
     assert_close(out, lse, o_ref, lse_ref, d.kv_dtype if fp8_kv else d.q_dtype)
 
 
@@ -155,6 +158,7 @@ class PrefillLaunch:
     causal: bool = True
     mask: bool = False
     pos_encoding_mode: str = "NONE"
+    sinks: bool = False  # attention sinks (split rows: joined in the merge)
 
 
 PREFILLS = {
@@ -172,6 +176,8 @@ PREFILLS = {
     "fa3-fp8-paged": PrefillLaunch("fa3", 16, dtype=E4M3),
     "fa3-fp8-ragged": PrefillLaunch("fa3", None, dtype=E4M3),
     "fa3-fp8-paged-page5": PrefillLaunch("fa3", 5, dtype=E5M2),
+    "fa2-paged-sinks": PrefillLaunch("fa2", 16, sinks=True),
+    "fa3-ragged-sinks": PrefillLaunch("fa3", None, sinks=True),
 }
 
 
@@ -198,22 +204,23 @@ def test_prefill_launch(name):
                    q_data_type=p.dtype, kv_data_type=kv_dtype, o_data_type=o_dtype, fixed_split_size=64)
     q_in = q.to(p.dtype)
     out, lse = poisoned((q.shape[0], HEADS[0], dim_vo), o_dtype)
+    sinks = randn(gen, HEADS[0]) if p.sinks else None
     if p.page_size is None:
         k_in, v_in = k.to(kv_dtype), v.to(kv_dtype)
         wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=p.backend)
         wrapper.plan(indptr_of(QO_LENS), indptr_of(KV_LENS), *HEADS, dim_qk, **options)
-        wrapper.run(q_in, k_in, v_in, out=out, lse=lse, return_lse=True, **scales)
+        wrapper.run(q_in, k_in, v_in, out=out, lse=lse, return_lse=True, sinks=sinks, **scales)
         o_ref, lse_ref = reference.batch_prefill_ragged(
             dequantized(q_in, scales.get("q_scale", 1.0)), dequantized(k_in, scales.get("k_scale", 1.0)),
             dequantized(v_in, scales.get("v_scale", 1.0)), indptr_of(QO_LENS), indptr_of(KV_LENS),
-            causal=p.causal, packed_custom_mask=packed, pos_encoding_mode=p.pos_encoding_mode)
+            causal=p.causal, packed_custom_mask=packed, pos_encoding_mode=p.pos_encoding_mode, sinks=sinks)
     else:
         kv = paged_cache(k, v, KV_LENS, p.page_size, kv_dtype, gen)
         wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend=p.backend)
         wrapper.plan(indptr_of(QO_LENS), kv.indptr, kv.ids, kv.last, *HEADS, dim_qk, p.page_size, **options)
-        wrapper.run(q_in, kv.cache, out=out, lse=lse, return_lse=True, **scales)
+        wrapper.run(q_in, kv.cache, out=out, lse=lse, return_lse=True, sinks=sinks, **scales)
         cache = tuple(dequantized(x, scales.get(s, 1.0)) for x, s in zip(kv.cache, ("k_scale", "v_scale")))
         o_ref, lse_ref = reference.batch_prefill_paged(
             dequantized(q_in, scales.get("q_scale", 1.0)), cache, indptr_of(QO_LENS), kv.indptr, kv.ids, kv.last,
-            causal=p.causal, packed_custom_mask=packed, pos_encoding_mode=p.pos_encoding_mode)
+            causal=p.causal, packed_custom_mask=packed, pos_encoding_mode=p.pos_encoding_mode, sinks=sinks)
     assert_close(out, lse, o_ref, lse_ref, kv_dtype if fp8 else p.dtype)

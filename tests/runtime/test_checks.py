@@ -278,14 +278,38 @@ def test_graph_page_ids_land_in_the_fixed_buffer():
             buffer, "paged_kv_indices_buffer", contains=("paged_kv_indices_buffer", "6 page ids", "needs 8"))
 
 
-def test_run_extras_refuse_sinks_and_a_new_window():
-    checks.run_extras(-1, None, None, None, "the decode kernel")
-    checks.run_extras(64, False, 64, None, "the decode kernel")
-    checks.run_extras(-1, True, None, None, "the decode kernel")  # PDL: on where the device has it
-    _raises(ValueError, checks.run_extras, -1, None, None, torch.zeros(2), "the prefill kernels",
-            contains=("sinks", "the prefill kernels"))
-    _raises(ValueError, checks.run_extras, 64, None, 16, None, "the prefill kernels",
-            contains=("window_left", "64", "16", "plan again"))
+def test_run_extras_refuse_a_new_window():
+    checks.run_extras(-1, None, None)
+    checks.run_extras(64, False, 64)
+    checks.run_extras(-1, True, None)  # PDL: on where the device has it
+    _raises(ValueError, checks.run_extras, 64, None, 16, contains=("window_left", "64", "16", "plan again"))
+
+
+def test_sinks_name_what_was_expected_and_given():
+    cpu = torch.device("cpu")
+    sinks = torch.zeros(4)
+    assert checks.sinks(sinks, 4, cpu) is sinks
+    _raises(TypeError, checks.sinks, [0.0] * 4, 4, cpu, contains=("sinks", "torch.Tensor", "list"))
+    _raises(ValueError, checks.sinks, torch.zeros(4, dtype=torch.bfloat16), 4, cpu,
+            contains=("sinks", "torch.float32", "torch.bfloat16"))
+    _raises(ValueError, checks.sinks, torch.zeros(4), 4, torch.device("cuda", 0),
+            contains=("sinks", "cuda:0", "cpu"))
+    _raises(ValueError, checks.sinks, torch.zeros(8), 4, cpu, contains=("sinks", "(4,)", "[num_qo_heads]", "(8,)"))
+    _raises(ValueError, checks.sinks, torch.zeros(1, 4), 4, cpu, contains=("sinks", "(4,)", "(1, 4)"))
+    _raises(ValueError, checks.sinks, torch.zeros(8)[::2], 4, cpu, contains=("sinks", "contiguous", "(2,)"))
+
+
+def test_accepted_sinks_checked_once_per_form():
+    from attnforge.run_args import Accepted
+
+    accepted, cpu = Accepted(), torch.device("cpu")
+    assert accepted.sinks_ptr(None, 4, cpu) is None
+    sinks = torch.zeros(5)[1:]  # any float32 address will do: the kernels read scalars
+    assert accepted.sinks_ptr(sinks, 4, cpu) == sinks.data_ptr()
+    other = torch.ones(4)
+    assert accepted.sinks_ptr(other, 4, cpu) == other.data_ptr()
+    _raises(ValueError, accepted.sinks_ptr, torch.zeros(3), 4, cpu, contains=("sinks", "(4,)", "(3,)"))
+    _raises(ValueError, accepted.sinks_ptr, torch.zeros(4, dtype=torch.float16), 4, cpu, contains=("sinks", "float32"))
 
 
 def test_positional_scales_only_with_an_fp8_query():

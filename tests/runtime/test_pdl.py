@@ -39,11 +39,9 @@ def test_rendered_module_declares_and_mirrors_the_flag(kind):
 
 def test_run_extras_accept_enable_pdl():
     for value in (None, True, False):
-        checks.run_extras(-1, value, None, None, "the decode kernel")
+        checks.run_extras(-1, value, None)
     with pytest.raises(ValueError, match="enable_pdl: expected True, False or None"):
-        checks.run_extras(-1, "yes", None, None, "the decode kernel")
-    with pytest.raises(ValueError, match="sinks"):
-        checks.run_extras(-1, True, None, object(), "the prefill kernels")
+        checks.run_extras(-1, "yes", None)
 
 
 @pytest.mark.parametrize("major, enable_pdl, flag", [

@@ -9,6 +9,7 @@
 namespace attnforge::common {
 
 constexpr float kNegInf = -INFINITY;
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): natural-log logits to base 2
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

@@ -5,6 +5,9 @@
 //   an empty range means the attention kernel already wrote o/lse for it, and the merge skips it.
 //   State algebra (as FlashInfer's merge_state): o = sum 2^(s_i - M) o_i / sum 2^(s_i - M),
 //   lse = M + log2(sum 2^(s_i - M)); all-empty inputs give o = 0, lse = -inf.
+//   Attention sinks (with_sink): a sink is one more state, o = 0 and lse = sink * log2(e). It joins
+//   each output row exactly once: in the attention kernel's epilogue for a row it writes to o, here
+//   after a split row's partials are merged (the partials themselves never hold it).
 //   PDL (pdl.cuh): launched right after the attention kernel that writes the partials, it waits for
 //   it before reading the plan; its partials read, it lets the next kernel launch.
 // Must not: read anything but the partial buffers and the plan.
@@ -20,6 +23,26 @@
 
 namespace attnforge::common {
 
+// A final row state (o normalized, base-2 lse) joined with the row's sink, a state of value 0 and
+// lse sink2 = sink * log2(e) (the sink is a natural-log logit, in the units of the scaled scores):
+// o' = o * scale, lse' = lse of both. Exact algebra, so applying it once per row after any merge
+// order gives the same result. A row that saw no key (lse = -inf) gets o' = 0 and lse' = sink2; a
+// sink of -inf changes nothing (scale 1, lse unchanged) and a NaN row stays NaN.
+struct SinkJoin {
+  float scale;  // multiplies the row's normalized o
+  float lse;    // the row's base-2 lse, sink included
+};
+
+__device__ __forceinline__ SinkJoin with_sink(float lse, float sink) {
+  const float sink2 = sink * kLog2e;
+  const float m = fmaxf(lse, sink2);  // a NaN lse yields sink2 here; lse - m below keeps the NaN
+  if (m == kNegInf) return {1.f, lse};  // neither saw anything: o stays 0, lse -inf
+  // w, ws in [0, 1], one of them 1: w + ws in [1, 2], where the approximate MUFU forms are exact
+  // to a few ulp (and exact for a sink of -inf: scale 1, lse unchanged).
+  const float w = fast_exp2(lse - m), ws = fast_exp2(sink2 - m);
+  return {__fdividef(w, w + ws), m + __log2f(w + ws)};
+}
+
 // What the merge reads and writes; each kernel family's entry fills it from its own params.
 struct MergeArgs {
   const int32_t* plan;
@@ -31,6 +54,7 @@ struct MergeArgs {
   void* o;
   int64_t o_stride_n, o_stride_h;
   float* lse;  // [row, num_qo_heads], or null
+  const float* sinks;  // [num_qo_heads] fp32 sink logits joined into each merged row, or null
 };
 
 template <typename DTypeO, int kHeadDim>
@@ -64,14 +88,17 @@ __global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
     m = m_new;
   }
   allow_dependent_grids();
-  const float inv_d = poisoned ? NAN : (d > 0.f ? 1.f / d : 0.f);
+  float inv_d = poisoned ? NAN : (d > 0.f ? 1.f / d : 0.f);
+  float lse = poisoned ? NAN : (d > 0.f ? m + log2f(d) : kNegInf);
+  if (p.sinks != nullptr) {  // the partials hold no sink: it joins the merged row here, once
+    const SinkJoin joined = with_sink(lse, p.sinks[qo_head]);
+    inv_d *= joined.scale;
+    lse = joined.lse;
+  }
   DTypeO* o_row = static_cast<DTypeO*>(p.o) + row_id * p.o_stride_n + qo_head * p.o_stride_h + threadIdx.x * kCols;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) o_row[c] = static_cast<DTypeO>(acc[c] * inv_d);
-  if (p.lse != nullptr && threadIdx.x == 0) {
-    p.lse[int64_t(row_id) * p.num_qo_heads + qo_head] =
-        poisoned ? NAN : (d > 0.f ? m + log2f(d) : kNegInf);
-  }
+  if (p.lse != nullptr && threadIdx.x == 0) p.lse[int64_t(row_id) * p.num_qo_heads + qo_head] = lse;
 }
 
 template <typename DTypeO, int kHeadDim>

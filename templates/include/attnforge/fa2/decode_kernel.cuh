@@ -15,8 +15,10 @@
 //   After the kv loop the token lanes' states merge through shared memory into token lane 0.
 //   Output: softmax-normalized o and base-2 lse (log2 of the denominator plus the scaled max),
 //   either straight into o/lse or, for a split request, into the fp32 partial slot the plan gave.
-//   An empty range writes o = 0, lse = -inf. A page id outside [0, num_pages) never reaches
-//   memory: the CTA reads page 0 instead, writes NaN, and raises the plan's error word.
+//   A row written to o joins its attention sink (p.sinks, common::with_sink); a partial row does
+//   not (the merge joins it). An empty range writes o = 0, lse = -inf (before the sink). A page id
+//   outside [0, num_pages) never reaches memory: the CTA reads page 0 instead, writes NaN, and
+//   raises the plan's error word.
 //   PDL (common/pdl.cuh): every thread waits before the first plan read; the kv loop's end lets the
 //   next kernel launch.
 //
@@ -27,6 +29,7 @@
 
 #include "../common/async_copy.cuh"
 #include "../common/math.cuh"
+#include "../common/merge.cuh"
 #include "../common/pdl.cuh"
 #include "../common/plan_image.cuh"
 #include "../common/vec.cuh"
@@ -229,11 +232,16 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   for (int h = 0; h < H; ++h) {
     if (first_slot + h >= p.group_size) break;
     const int qo_head = kv_head * p.group_size + first_slot + h;
-    const float inv_d = st[h].d > 0.f ? 1.f / st[h].d : 0.f;
+    float inv_d = bad_page ? NAN : (st[h].d > 0.f ? 1.f / st[h].d : 0.f);
+    float lse = bad_page ? NAN : (st[h].d > 0.f ? st[h].m + log2f(st[h].d) : common::kNegInf);
+    if (slot < 0 && p.sinks != nullptr) {
+      const common::SinkJoin joined = common::with_sink(lse, static_cast<const float*>(p.sinks)[qo_head]);
+      inv_d *= joined.scale;
+      lse = joined.lse;
+    }
     float out[T::kVec];
 #pragma unroll
-    for (int e = 0; e < T::kVec; ++e) out[e] = bad_page ? NAN : st[h].o[e] * inv_d;
-    const float lse = bad_page ? NAN : (st[h].d > 0.f ? st[h].m + log2f(st[h].d) : common::kNegInf);
+    for (int e = 0; e < T::kVec; ++e) out[e] = st[h].o[e] * inv_d;
     if (slot < 0) {
       auto* o_row = static_cast<typename T::DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h;
       common::store_float(o_row + tx * T::kVec, out);

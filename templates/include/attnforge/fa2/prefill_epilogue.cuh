@@ -5,7 +5,9 @@
 //   - Direct (slot < 0): o in DTypeO at (qo_begin + token, qo_head), and the base-2 lse when p.lse
 //     is set. Split (slot >= 0): fp32 o and lse at partial row slot + token * num_chunks[request],
 //     which the merge kernel (common/merge.cuh) combines.
-//   - A row that saw no key stores o = 0, lse = -inf; a CTA that met a bad page id stores NaN.
+//   - A direct row joins its attention sink (p.sinks, common::with_sink); a partial row does not
+//     (the merge joins it). A row that saw no key stores o = 0, lse = -inf (before the sink); a CTA
+//     that met a bad page id stores NaN.
 //     Rows past the request's packed length store nothing.
 //   - d is the row's whole denominator: the quad reduced and, for the column split, the warps
 //     merged.
@@ -16,6 +18,7 @@
 #include <cstdint>
 
 #include "../common/math.cuh"
+#include "../common/merge.cuh"
 #include "../common/mma.cuh"
 
 #include "prefill_traits.cuh"
@@ -42,9 +45,14 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Pr
       const int token = rc.token[mq][rr];
       const int qo_head = kv_head * p.group_size + (rows.row_begin + row - token * p.group_size);
       const float d = st.d[mq][rr];
-      const float inv_d = bad_page ? NAN : (d > 0.f ? 1.f / d : 0.f);
-      const float lse = bad_page ? NAN : (d > 0.f ? st.m[mq][rr] + log2f(d) : common::kNegInf);
+      float inv_d = bad_page ? NAN : (d > 0.f ? 1.f / d : 0.f);
+      float lse = bad_page ? NAN : (d > 0.f ? st.m[mq][rr] + log2f(d) : common::kNegInf);
       if (slot < 0) {
+        if (p.sinks != nullptr) {
+          const common::SinkJoin joined = common::with_sink(lse, static_cast<const float*>(p.sinks)[qo_head]);
+          inv_d *= joined.scale;
+          lse = joined.lse;
+        }
         DTypeO* o_row = static_cast<DTypeO*>(p.o) + int64_t(rows.qo_begin + token) * p.o_stride_n + int64_t(qo_head) * p.o_stride_h;
 #pragma unroll
         for (int dv = 0; dv < T::kMmaDVO; ++dv) {

@@ -86,9 +86,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
       rc.token[mq][rr] = group.div(rows.row_begin + row);
       if constexpr (T::kPosEncoding == kPosAlibi) {
         const int qo_head = kv_head * p.group_size + (rows.row_begin + row - rc.token[mq][rr] * p.group_size);
-        constexpr float kLog2e = 1.4426950408889634f;
         // Bias in score units: base 2, and divided by the cap when a soft cap follows.
-        const float unit = T::kSoftCap ? kLog2e / p.soft_cap_log2 : kLog2e;
+        const float unit = T::kSoftCap ? common::kLog2e / p.soft_cap_log2 : common::kLog2e;
         rc.alibi[mq][rr] = alibi_slope(qo_head, p.num_qo_heads) * unit;
       }
     }

@@ -1,11 +1,13 @@
 // Role: a job's rows on their way out: normalized by the row sums (fp8: times the v scale) and
 //   stored as o (+ lse) or as fp32 partial rows for the split-KV merge.
 // Contract: output is o (+ lse, base 2) or, when the item's slot >= 0, fp32 partial rows at slot +
-//   token * num_chunks[request]. A row that sees no key: o = 0, lse = -inf; an item with a bad page
-//   id: NaN rows.
+//   token * num_chunks[request]. A row stored to o joins its attention sink (p.sinks,
+//   common::with_sink); a partial row does not (the merge joins it). A row that sees no key: o = 0,
+//   lse = -inf (before the sink); an item with a bad page id: NaN rows.
 // Must not: wait on the pipeline (the caller has finished the job's tiles).
 #pragma once
 
+#include "../common/merge.cuh"
 #include "traits.cuh"
 
 namespace attnforge::fa3 {
@@ -97,6 +99,11 @@ __device__ __forceinline__ RowOutput<T> row_output(const typename T::Params& p, 
   // e.g. the NaN rows a bad page id leaves in pages gathered ahead) stays NaN in o and lse.
   out.inv_d = item.bad_page ? NAN : (d != 0.f ? __fdividef(item.v_scale, d) : 0.f);
   out.lse = item.bad_page ? NAN : (d != 0.f ? m + __log2f(d) - T::kPExponentOffset : common::kNegInf);
+  if (w.slot < 0 && p.sinks != nullptr) {  // a split row's sink joins in the merge instead
+    const common::SinkJoin joined = common::with_sink(out.lse, static_cast<const float*>(p.sinks)[out.qo_head]);
+    out.inv_d *= joined.scale;
+    out.lse = joined.lse;
+  }
   return out;
 }
 
