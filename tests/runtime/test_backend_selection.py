@@ -70,7 +70,7 @@ def test_auto_falls_back_to_fa2_for_16bit_q_with_fp8_kv_on_hopper(dtype_kv):
     ("fa3-fp8-kv-needs-fp8-q", dict(dtype_kv=DType.E4M3)),
     ("fa3-no-custom-mask", dict(use_custom_mask=True)),
     ("fa3-no-pos-encoding", dict(pos_encoding=PosEncoding.ROPE_LLAMA)),
-    ("fa3-head-dims", dict(head_dim_qk=96, head_dim_vo=96)),
+    ("fa3-head-dims", dict(head_dim_qk=144, head_dim_vo=144)),
     ("fa3-needs-sm90a", dict(archs=(Arch.SM80,))),
     ("fa3-fp8-head-dims", dict(dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64)),
 ])

@@ -190,7 +190,7 @@ def test_decode_spec_refuses_fp8_output():
 
 def test_decode_spec_refuses_mixed_16bit_and_odd_head_dim():
     _refused("mixed-16bit-qkv", dtype_kv=DType.FP16)
-    _refused("decode-head-dims", head_dim=96)
+    _refused("decode-head-dims", head_dim=144)
     _refused("decode-no-pos-encoding", pos_encoding=PosEncoding.ROPE_LLAMA)
 
 

@@ -140,8 +140,8 @@ def test_plan_heads_not_a_multiple(base):
 
 
 def test_plan_head_dim_without_kernel(base):
-    message = refuse_plan(base, UnsupportedSpecError, "decode-head-dims", head_dim=96)
-    assert "96" in message
+    message = refuse_plan(base, UnsupportedSpecError, "decode-head-dims", head_dim=144)
+    assert "144" in message
 
 
 def test_plan_window_left_below_minus_one(base):
