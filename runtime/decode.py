@@ -446,7 +446,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if enable_pdl is not None or window_left is not None:
             checks.run_extras(plan.window_left, enable_pdl, window_left)
         accepted = plan.accepted
-        accepted.ensure(q, self._check_q)
+        accepted.ensure(q, "q", self._check_q)
         cache = accepted.paged(paged_kv_cache, self._check_cache)
         if plan.host_max_page is not None and plan.host_max_page >= cache.num_pages:
             raise ValueError(f"indices: page id {plan.host_max_page} is out of range for a cache of "
@@ -454,7 +454,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if out is None:
             out = torch.empty(q.shape, dtype=plan.dtype_o, device=self._device)
         else:
-            accepted.ensure(out, lambda out: output(out, "out", q.shape, plan.dtype_o, self._device, "same as q"))
+            accepted.ensure(out, "out",
+                            lambda out: output(out, "out", q.shape, plan.dtype_o, self._device, "same as q"))
         if return_lse:
             lse = lse_output(lse, q.shape[:2], self._device, "[batch_size, num_qo_heads]")
         scales = (q_scale or 1.0, k_scale or 1.0)

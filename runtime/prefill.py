@@ -163,13 +163,13 @@ class _BatchPrefillWrapper:
         if args or plan.fp8_query or q_scale is not None or k_scale is not None or v_scale is not None:
             q_scale, k_scale, v_scale = checks.positional_scales(args, plan.fp8_query, q_scale, k_scale, v_scale)
             q_scale, k_scale, v_scale = self._scales(plan.fp8_query, q_scale, k_scale, v_scale)
-        accepted.ensure(q, self._check_q)
+        accepted.ensure(q, "q", self._check_q)
         out_shape = (plan.total_q, plan.num_qo_heads, plan.head_dim_vo)
         if out is None:
             out = torch.empty(out_shape, dtype=plan.dtype_o, device=self._device)
         else:
-            accepted.ensure(out, lambda out: output(out, "out", out_shape, plan.dtype_o, self._device,
-                                                    "[qo_indptr[-1], num_qo_heads, head_dim_vo]"))
+            accepted.ensure(out, "out", lambda out: output(out, "out", out_shape, plan.dtype_o, self._device,
+                                                           "[qo_indptr[-1], num_qo_heads, head_dim_vo]"))
         if return_lse:
             lse = lse_output(lse, (plan.total_q, plan.num_qo_heads), self._device, "[qo_indptr[-1], num_qo_heads]")
         params = plan.params

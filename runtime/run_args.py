@@ -4,7 +4,9 @@ An engine calls run() once per layer per step with tensors of one form: each lay
 layer's own KV cache, all of one dtype, device, shape and strides. The full checks (which name the
 argument, what was expected and what was given) run the first time a plan sees a tensor of a given
 form; a later tensor of the same form is accepted after checking only what its form does not
-cover, the 16-byte alignment of its data. A re-plan starts with nothing accepted.
+cover, the 16-byte alignment of its data. Forms are accepted per argument: q's form says nothing
+about out, whose planned dtype and shape may differ (an fp8 q with a bf16 out). A re-plan starts
+with nothing accepted.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class PagedCache:
 
 
 class Accepted:
-    """The tensor forms one plan's full checks accepted."""
+    """The tensor forms one plan's full checks accepted, each for the argument it was checked as."""
 
     __slots__ = ("_forms", "_paged")
 
@@ -41,27 +43,26 @@ class Accepted:
         self._forms: set[tuple] = set()
         self._paged: dict[tuple, tuple[int, tuple[int, int, int], int]] = {}
 
-    def known(self, x) -> bool:
-        """Whether x has a form a full check accepted (and aligned data): no check needed."""
-        return isinstance(x, torch.Tensor) and not x.data_ptr() % 16 and form(x) in self._forms
+    def known(self, x, name: str) -> bool:
+        """Whether x has a form a full check accepted as argument `name` (and aligned data): no
+        check needed."""
+        return isinstance(x, torch.Tensor) and not x.data_ptr() % 16 and (name, form(x)) in self._forms
 
     def sinks_ptr(self, sinks, num_qo_heads: int, device: torch.device) -> int | None:
         """The address of run()'s attention sinks (None: no sinks), fully checked the first time a
         form is seen. Kernels read them as fp32 scalars, so any address of a float32 tensor will do."""
         if sinks is None:
             return None
-        if not (isinstance(sinks, torch.Tensor) and form(sinks) in self._forms):
-            self.add(checks.sinks(sinks, num_qo_heads, device))
+        if not (isinstance(sinks, torch.Tensor) and ("sinks", form(sinks)) in self._forms):
+            self._forms.add(("sinks", form(checks.sinks(sinks, num_qo_heads, device))))
         return sinks.data_ptr()
 
-    def add(self, x: torch.Tensor) -> None:
-        self._forms.add(form(x))
-
-    def ensure(self, x, check) -> None:
-        """check(x) (which raises for a bad x) unless x's form was accepted; then accept it."""
-        if not self.known(x):
+    def ensure(self, x, name: str, check) -> None:
+        """check(x) (which raises for a bad x) unless x's form was accepted as argument `name`; then
+        accept it as that."""
+        if not self.known(x, name):
             check(x)
-            self.add(x)
+            self._forms.add((name, form(x)))
 
     def paged(self, paged_kv_cache, check) -> PagedCache:
         """The cache's PagedCache. check(paged_kv_cache) -> (k_cache, v_cache, strides) runs the full

@@ -312,6 +312,25 @@ def test_accepted_sinks_checked_once_per_form():
     _raises(ValueError, accepted.sinks_ptr, torch.zeros(4, dtype=torch.float16), 4, cpu, contains=("sinks", "float32"))
 
 
+def test_accepted_forms_are_per_argument():
+    """A form accepted for q is not accepted for out: an fp8 q beside a bf16 out plan, say, where an
+    out shaped like q in q's dtype must still meet out's check (here: refused)."""
+    from attnforge.run_args import Accepted
+
+    accepted, seen = Accepted(), []
+    q = torch.zeros(2, 4, 8)
+
+    def refuse_out(x):
+        seen.append("out")
+        raise ValueError("out: expected dtype torch.bfloat16")
+
+    accepted.ensure(q, "q", lambda x: seen.append("q"))
+    accepted.ensure(q.clone(), "q", lambda x: seen.append("q again"))  # same form: no second check
+    _raises(ValueError, accepted.ensure, torch.zeros(2, 4, 8), "out", refuse_out, contains=("out", "bfloat16"))
+    assert seen == ["q", "out"]
+    assert accepted.known(q, "q") and not accepted.known(q, "out")
+
+
 def test_positional_scales_only_with_an_fp8_query():
     scales = (torch.ones(1), torch.ones(1), torch.ones(1))
     assert checks.positional_scales(scales, True, None, None, None) == scales
