@@ -28,8 +28,16 @@ FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(128, 128), (256, 256)})
 
 
 def _off_grid(s) -> bool:
-    """Head dims that no tile handles: not multiples of 16 (the MMAs' k step, whole 16-byte rows)."""
-    return s.head_dim_qk % 16 != 0 or s.head_dim_vo % 16 != 0
+    """Head dims that no tile handles but zero-padding to a listed one would: not multiples of 16 (the
+    MMAs' k step, whole 16-byte rows) and no wider than the widest listed dim. Wider ones are refused
+    by each family's width rule alone, whose advice holds for them (no listed dim to pad to); fa3 fp8,
+    which lists its own few dims, by fa3-fp8-head-dims alone."""
+    return ((s.head_dim_qk % 16 != 0 or s.head_dim_vo % 16 != 0) and max(s.head_dim_qk, s.head_dim_vo) <= HEAD_DIMS[-1]
+            and not _fa3_fp8(s))
+
+
+def _fa3_fp8(s) -> bool:
+    return _fa3(s) and s.dtype_q.is_fp8
 
 
 def _too_wide(s) -> bool:
@@ -156,7 +164,7 @@ RULES: tuple[Rule, ...] = (
         "{s.backend.value} {s.kind.value} has no kernel above head dim " + str(PREFILL_MAX_HEAD_DIM)
         + " (qk {s.head_dim_qk}, vo {s.head_dim_vo}): a row's fp32 o accumulator would not fit the registers",
         "use head dims up to " + str(PREFILL_MAX_HEAD_DIM) + ", e.g. split the head into two of half the size",
-        lambda s: s.kind is Kind.PREFILL and _too_wide(s),
+        lambda s: s.kind is Kind.PREFILL and _too_wide(s) and not _fa3_fp8(s),
     ),
     Rule(
         "fa3-head-dims",

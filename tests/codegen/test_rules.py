@@ -242,6 +242,10 @@ def test_fp8_caches_at_new_head_dims(decode_spec, head_dim, dtype_kv):
     (Kind.PREFILL, Backend.FA2, (128, 192), "fa2-prefill-head-dims", ["qk 128, vo 192", "224"]),
     (Kind.DECODE, Backend.FA2, (512, 512), "decode-head-dims", ["qk 512, vo 512", "qk and vo equal"]),
     (Kind.DECODE, Backend.FA2, (192, 128), "decode-head-dims", ["vo 128"]),
+    # off the 16-grid and wider than every listed dim: the width rule alone (nothing to pad to)
+    (Kind.PREFILL, Backend.FA2, (264, 264), "prefill-head-dims-max-256", ["qk 264, vo 264", "up to 256"]),
+    (Kind.PREFILL, Backend.FA3, (520, 520), "prefill-head-dims-max-256", ["fa3 prefill", "above head dim 256"]),
+    (Kind.DECODE, Backend.FA2, (300, 300), "decode-head-dims", ["qk 300, vo 300", "256"]),
 ])
 def test_head_dim_refusals_say_why_and_what_instead(decode_spec, kind, backend, dims, rule_id, words):
     archs = (Arch.SM90A,) if backend is Backend.FA3 else (Arch.SM80,)
@@ -251,3 +255,14 @@ def test_head_dim_refusals_say_why_and_what_instead(decode_spec, kind, backend, 
     assert info.value.rule_ids == [rule_id]
     for word in words:
         assert word in str(info.value)
+
+
+@pytest.mark.parametrize("dims", [(72, 72), (512, 512), (264, 128)])
+def test_fa3_fp8_head_dims_are_refused_by_its_own_rule_alone(decode_spec, dims):
+    """fa3 fp8 lists its own few dims: off-grid or too wide, one rule says so, with its alternatives."""
+    spec = replace(decode_spec, kind=Kind.PREFILL, backend=Backend.FA3, archs=(Arch.SM90A,), dtype_q=DType.E4M3,
+                   dtype_kv=DType.E4M3, dtype_o=DType.BF16, head_dim_qk=dims[0], head_dim_vo=dims[1])
+    with pytest.raises(UnsupportedSpecError) as info:
+        ensure_valid(spec)
+    assert info.value.rule_ids == ["fa3-fp8-head-dims"]
+    assert "128" in str(info.value) and "16-bit" in str(info.value)
