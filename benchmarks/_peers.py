@@ -112,8 +112,3 @@ class Peer:
             self.failed[key] = reason(exc)
         notes.append(f"FlashInfer {key} n/a: {self.failed[key]}")
         return None
-
-
-def speed_ratio(ours_rate, peer_rate) -> float | None:
-    """ours / peer for rates (TFLOP/s); None when either is missing."""
-    return ours_rate / peer_rate if ours_rate and peer_rate else None
