@@ -1,7 +1,7 @@
-"""Batch decode benchmark: attnforge vs the copy bandwidth and torch SDPA, same run.
+"""Batch decode benchmark: attnforge vs the copy bandwidth, FlashInfer and torch SDPA, same run.
 
     python -m attnforge.benchmarks.decode [--batch 1 16 64 256] [--kv-len 1024 4096 16384]
-        [--kv-dtype bf16 e4m3 e5m2] [--no-pdl] [--pdl-runs 32] [--out F.json]
+        [--kv-dtype bf16 e4m3 e5m2] [--no-pdl] [--pdl-runs 32] [--no-flashinfer] [--out F.json]
 
 Shape (the acceptance config): bf16 q, 32 query / 8 kv heads, head_dim 128, page size 16,
 every request of the batch kv_len tokens long, pages scattered over the pool at random. The KV
@@ -15,6 +15,13 @@ a 512 MB buffer between calls, outside the timed region). GB/s counts the bytes 
 must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy bandwidth is a ~4 GB device-to-device tensor copy
 in the same process, counting read + write bytes. The SDPA peers get a dense bf16
 [B, Hkv, L, D] cache holding the same contents as the paged one; they run on the bf16 rows only.
+FlashInfer (when importable; --no-flashinfer skips it) runs every row on its CUDA cores and its tensor
+cores, through the same decode_call() as ours: the same paged cache, plan() and run() arguments and
+timer, its output checked against ours. It is imported and timed after all of ours (importing it slows
+attnforge's host path in the process, see _overhead, which the small batches would show): each row's
+problem is made again from the same seed, and every FlashInfer module the rows need gets its first
+call (it JIT-compiles on first use; printed, with the time) before the first FlashInfer timing. A
+FlashInfer call that raises is n/a in its cell and the reason goes to the row's notes.
 
 PDL (programmatic dependent launch, skipped with --no-pdl): CUDA graphs of --pdl-runs back-to-back
 run() calls with enable_pdl False vs True, µs per run and the speed-up; decode at batch 64 x kv 1024
@@ -33,7 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from . import _overhead, _pdl, _record
+from . import _overhead, _pdl, _peers, _record
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
@@ -47,6 +54,10 @@ PLAN_KV_LEN = 4096
 PLAN_CALLS = 200
 OVERHEAD_KV_LEN = 1024
 OVERHEAD_WORKSPACE = 128 << 20
+# FlashInfer's float workspace: its tensor-core path sizes split-KV partials by batch x heads x tile
+PEER_WORKSPACE = 512 << 20
+# FlashInfer's decode paths beside ours: (column suffix, use_tensor_cores)
+PEER_PATHS = (("", False), ("_tc", True))
 
 
 def parse_args(argv):
@@ -62,6 +73,7 @@ def parse_args(argv):
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")
     p.add_argument("--no-overhead", action="store_true", help="skip the run() host-overhead measurement")
+    _peers.add_option(p)
     p.add_argument("--no-pdl", action="store_true", help="skip the PDL (programmatic dependent launch) case")
     p.add_argument("--pdl-runs", type=int, default=_pdl.RUNS,
                    help=f"back-to-back runs per CUDA graph in the PDL case (default {_pdl.RUNS})")
@@ -143,38 +155,34 @@ def attnforge_decode(problem: Problem, layout: str):
     return decode_call(attnforge, problem, layout, torch.empty(ws_bytes, dtype=torch.uint8, device="cuda"))
 
 
-def decode_call(library, problem: Problem, layout: str, workspace: torch.Tensor, tensor_cores: bool = False):
+def decode_call(library, problem: Problem, layout: str, workspace: torch.Tensor, tensor_cores: bool = False,
+                backend: str = "auto", q: torch.Tensor | None = None, cache: tuple | None = None):
     """(run, out) through `library`'s BatchDecodeWithPagedKVCacheWrapper (attnforge or FlashInfer:
-    the same calls), planned once."""
-    wrapper = library.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=tensor_cores)
+    the same calls), planned once on the problem's page table; q and cache default to the problem's
+    (another q gives another GQA group, another cache another kv dtype). The output is bf16."""
+    q = problem.q if q is None else q
+    cache = problem.cache if cache is None else cache
+    kv_heads = cache[0].shape[2 if layout == "NHD" else 1]
+    wrapper = library.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=tensor_cores,
+                                                         backend=backend)
     wrapper.plan(
-        problem.indptr, problem.indices, problem.last_page_len,
-        NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=DTYPE, kv_data_type=problem.kv_dtype,
+        problem.indptr, problem.indices, problem.last_page_len, q.shape[1], kv_heads, cache[0].shape[-1],
+        PAGE_SIZE, q_data_type=q.dtype, kv_data_type=cache[0].dtype, o_data_type=DTYPE,
     )
-    out = torch.empty_like(problem.q)
-    return (lambda: wrapper.run(problem.q, problem.cache, out=out)), out
+    out = torch.empty(q.shape, dtype=DTYPE, device=q.device)
+    return (lambda: wrapper.run(q, cache, out=out)), out
 
 
-def flashinfer_or_reason():
-    """(the flashinfer module, "") when the peer imports, else (None, why)."""
-    try:
-        import flashinfer
-    except Exception as exc:  # a broken install is as absent as a missing one
-        return None, f"FlashInfer not importable ({type(exc).__name__}: {exc})"
-    return flashinfer, ""
-
-
-def overhead_rows(layout: str) -> tuple[list[dict], str]:
+def overhead_rows(layout: str, peer: _peers.Peer) -> tuple[list[dict], str]:
     """run()'s host overhead at batch 1 x OVERHEAD_KV_LEN, ours and FlashInfer's, both decode paths,
     each library in a process of its own (_overhead.in_own_process)."""
-    flashinfer, note = flashinfer_or_reason()
     rows = []
-    for name in ["attnforge"] + (["flashinfer"] if flashinfer is not None else []):
+    for name in ["attnforge"] + (["flashinfer"] if peer.present else []):
         for found in _overhead.in_own_process(name, layout):
             rows.append(dict(library=name, path="tensor cores" if found["tensor_cores"] else "CUDA cores", batch=1,
                              kv_len=OVERHEAD_KV_LEN, eager_us=found["eager_us"], graph_us=found["graph_us"],
                              overhead_us=found["eager_us"] - found["graph_us"], host_us=found["host_us"]))
-    return rows, note
+    return rows, peer.note
 
 
 def sdpa_decode(problem: Problem, backend):
@@ -221,6 +229,10 @@ class Row:
     notes: str = ""
     cudnn_max_abs_vs_ours: float | None = None  # the peer's output against ours, same contents
     flash_max_abs_vs_ours: float | None = None
+    # FlashInfer's CUDA-core and tensor-core decode, same problem and calls (None: not run, or n/a: see notes)
+    flashinfer_us: float | None = None
+    flashinfer_tc_us: float | None = None
+    flashinfer_max_abs_vs_ours: float | None = None  # the worse of its two paths' outputs against ours
 
 
 def verify(problem: Problem, layout: str) -> dict:
@@ -271,6 +283,43 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
     )
 
 
+def peer_key(tensor_cores: bool, kv_name: str) -> str:
+    return f"{'tensor' if tensor_cores else 'CUDA'}-core decode, {kv_name} KV"
+
+
+def warm_peer(peer: _peers.Peer, args) -> None:
+    """The first call of each FlashInfer decode module the rows need (path x kv dtype), before timing."""
+    calls = {}
+    for kv_name in args.kv_dtype:
+        small = make_problem(1, PAGE_SIZE, args.layout, KV_DTYPES[kv_name])
+        for _, tensor_cores in PEER_PATHS:
+            calls[peer_key(tensor_cores, kv_name)] = lambda lib, s=small, t=tensor_cores: decode_call(
+                lib, s, args.layout, torch.empty(PEER_WORKSPACE, dtype=torch.uint8, device="cuda"), t)
+    peer.warm(calls)
+
+
+def add_peer(row: Row, args, flush, peer: _peers.Peer) -> None:
+    """FlashInfer's CUDA-core and tensor-core decode into the row: the row's problem made again (the same
+    seed, so the same contents), the same decode_call and timer; a refusal is n/a plus a note."""
+    problem = make_problem(row.batch, row.kv_len, args.layout, KV_DTYPES[row.kv_dtype])
+    run, ours_out = attnforge_decode(problem, args.layout)
+    run()
+    notes, errors = [row.notes] if row.notes else [], []
+
+    def check(out):
+        errors.append((out.float() - ours_out.float()).abs().max().item())
+        if not errors[-1] <= 5e-2:
+            notes.append(f"FlashInfer output differs from ours by {errors[-1]:.3g}")
+
+    for suffix, tensor_cores in PEER_PATHS:
+        us = peer.timed(peer_key(tensor_cores, row.kv_dtype), lambda lib: decode_call(
+            lib, problem, args.layout, torch.empty(PEER_WORKSPACE, dtype=torch.uint8, device="cuda"), tensor_cores),
+            lambda call: time_cuda_us(call, args.iters, args.warmup, flush), notes, check)
+        setattr(row, f"flashinfer{suffix}_us", us)
+    row.flashinfer_max_abs_vs_ours = max(errors, default=None)
+    row.notes = "; ".join(notes)
+
+
 def plan_host_us(batch: int, layout: str, calls: int = PLAN_CALLS) -> float:
     """Median host time of one plan() call at kv_len 4096 (after warm-up)."""
     import attnforge
@@ -318,14 +367,14 @@ def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float
         f"build when not cached): {first_call_s:.1f} s",
         "",
         "| kv dtype | batch | kv len | time (µs) | GB/s | % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) "
-        "| ours / cuDNN | speed-up vs bf16 KV | notes |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| ours / cuDNN | speed-up vs bf16 KV | FlashInfer CUDA cores (µs) | FlashInfer tensor cores (µs) | notes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r.kv_dtype} | {r.batch} | {r.kv_len} | {r.us:.1f} | {r.gbps:.0f} | {r.pct_copy_bw:.1f} | "
             f"{_fmt(r.cudnn_us)} | {_fmt(r.flash_us)} | {_fmt(r.ratio_vs_cudnn, '.3f')} | "
-            f"{_fmt(r.speedup_vs_bf16_kv, '.2f')} | {r.notes} |"
+            f"{_fmt(r.speedup_vs_bf16_kv, '.2f')} | {_fmt(r.flashinfer_us)} | {_fmt(r.flashinfer_tc_us)} | {r.notes} |"
         )
     if plans:
         lines += ["", f"| batch | plan() host time (µs, median, kv len {PLAN_KV_LEN}) |", "| ---: | ---: |"]
@@ -333,14 +382,14 @@ def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float
     return "\n".join(lines)
 
 
-def config(args) -> dict:
+def config(args, peer: _peers.Peer | None = None) -> dict:
     """What the JSON record says about the problem and the method."""
     return dict(dtype="bf16", kv_dtypes=args.kv_dtype, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
                 head_dim=HEAD_DIM, page_size=PAGE_SIZE, layout=args.layout, iters=args.iters, warmup=args.warmup,
                 settle_s=SETTLE_SECONDS, l2_flush=args.flush_l2, timer="CUDA events per call, median",
                 bytes="q + K + V + o", copy="4 GiB D2D copy, read + write",
                 peers="torch SDPA cuDNN and FLASH on a dense bf16 cache", plan_kv_len=PLAN_KV_LEN,
-                pdl=None if args.no_pdl else _pdl.config(args))
+                pdl=None if args.no_pdl else _pdl.config(args), flashinfer=peer.config() if peer else None)
 
 
 def main(argv=None) -> int:
@@ -379,7 +428,15 @@ def main(argv=None) -> int:
     plans = {} if args.no_plan else {b: plan_host_us(b, args.layout) for b in PLAN_BATCHES}
     pdl = [] if args.no_pdl else _pdl.decode_rows(args) + _pdl.prefill_rows(args)
 
-    overhead, overhead_note = ([], "") if args.no_overhead else overhead_rows(args.layout)
+    # FlashInfer after every measurement of ours: importing it slows attnforge's host path in this process
+    # (see _overhead), which would show in ours at the host-bound small batches
+    peer = _peers.Peer.from_args(args)
+    warm_peer(peer, args)
+    for r in rows if peer.present else ():
+        add_peer(r, args, flush, peer)
+        torch.cuda.empty_cache()
+
+    overhead, overhead_note = ([], "") if args.no_overhead else overhead_rows(args.layout, peer)
 
     print(markdown(rows, copy_gbps, plans, first_call_s))
     if overhead:
@@ -387,7 +444,7 @@ def main(argv=None) -> int:
     if pdl:
         print("\nPDL: " + _pdl.config(args)["method"] + "\n\n" + _pdl.markdown(pdl))
     if args.out:
-        _record.write(args.out, "decode", argv, config(args), tables=dict(
+        _record.write(args.out, "decode", argv, config(args, peer), tables=dict(
             decode=[asdict(r) for r in rows],
             plan=[dict(batch=b, kv_len=PLAN_KV_LEN, calls=PLAN_CALLS, us=us) for b, us in plans.items()],
             check=checks, overhead=overhead,

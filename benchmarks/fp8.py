@@ -2,7 +2,8 @@
 bf16 query over an e4m3 KV cache vs a bf16 one, and fp8-KV vs bf16-KV decode on the FA2 (CUDA-core
 and tensor-core) and FA3 (tensor-core) paths, same run.
 
-    python -m attnforge.benchmarks.fp8 [--shapes 4x4096] [--head-dims 128 256] [--no-decode] [--out F.json]
+    python -m attnforge.benchmarks.fp8 [--shapes 4x4096] [--head-dims 128 256] [--no-decode] [--no-flashinfer]
+                                       [--out F.json]
 
 Prefill shape (the acceptance config): 32 query / 8 kv heads (head dim 256: 16 / 4), every request L
 query tokens over the same L kv tokens, causal and non-causal. fp8: e4m3 q, k, v, each randn divided
@@ -13,6 +14,14 @@ bf16 q with the e4m3 k, v (k_scale, v_scale) against the bf16 q, k, v of the sam
 batch 64 x kv 4096, 8 kv heads, hd 128, page 16, GQA groups 1, 4, 8; bf16 KV vs e4m3 KV (the same
 values) on fa2's CUDA cores and tensor cores, and on sm90 the fa3 tensor-core path with bf16 q/KV vs
 e4m3 q/KV (the fp8 wgmma takes both operands fp8).
+
+FlashInfer (when importable; --no-flashinfer skips it) runs beside ours on the same tensors through
+the same prefill.prefill_call() / decode.decode_call(): fa3 e4m3 prefill (the scales passed after the
+kv tensors, positionally: FlashInfer 0.7.4's fp8 form, the only one its ragged run reads), fa2 prefill
+over the e4m3 cache (k_scale, v_scale as keywords), and each decode path with bf16 and fp8 KV. Its
+outputs are checked against our bf16 output as ours are (a mismatch is a note, not a stop); a call it
+refuses is n/a, the reason in the row's notes. Every FlashInfer module the run needs gets its first
+call (a JIT compile on first use; printed, with its time) before anything is timed.
 
 Method: CUDA events around each call, median after warm-up, no L2 flush. Before timing, every fp8
 output is poisoned with NaN, computed once and compared with the bf16 output of the same contents;
@@ -30,7 +39,7 @@ import torch
 
 from attnforge.codegen.rules import FA3_FP8_PREFILL_HEAD_DIMS
 
-from . import _record, decode, prefill
+from . import _peers, _record, decode, prefill
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 from .decode import _fmt
 
@@ -71,6 +80,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA cuDNN peer")
     p.add_argument("--no-decode", action="store_true", help="skip the fp8-KV vs bf16-KV decode table")
+    _peers.add_option(p)
     _record.add_out_option(p)
     return p.parse_args(argv)
 
@@ -134,6 +144,10 @@ class PrefillRow:
     max_abs: float
     notes: str = ""
     cudnn_rel_l2_vs_bf16: float | None = None  # the peer against our bf16 output, same contents
+    # FlashInfer's fa3 e4m3 prefill on the same tensors and calls (None: not run, or n/a: see notes)
+    flashinfer_fp8_paged_tflops: float | None = None
+    flashinfer_fp8_ragged_tflops: float | None = None
+    flashinfer_rel_l2_vs_bf16: float | None = None  # its fp8 outputs against our bf16 one, the worse
 
     @property
     def fp8_vs_bf16(self) -> float:
@@ -144,7 +158,19 @@ class PrefillRow:
         return self.fp8_ragged_tflops / self.cudnn_tflops if self.cudnn_tflops else None
 
 
-def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, args) -> PrefillRow:
+def peer_tflops(peer, problem: prefill.Problem, causal: bool, backend: str, scales: dict, ref: torch.Tensor,
+                flops: float, args, notes: list) -> tuple[dict, float | None]:
+    """({paged: FlashInfer's TFLOP/s or None}, the worst relative L2 of its outputs against ref) of the
+    peer's paged and ragged prefill_call on the fp8 problem; none when the peer is not given."""
+    if peer is None:
+        return {}, None
+    builds = prefill.builds(problem, causal, [(backend, True), (backend, False)], scales)
+    us, err = prefill.peer_us(peer, builds, dict.fromkeys(builds, ref), args, notes, MAX_REL_L2)
+    times = {paged: us[prefill.call_key(backend, paged, problem)] for paged in (True, False)}
+    return {paged: flops / (t * 1e6) if t else None for paged, t in times.items()}, err
+
+
+def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, args, peer=None) -> PrefillRow:
     from torch.nn.attention import SDPBackend
 
     fp8 = converted(prefill.make_problem(batch, length, h), quantize)
@@ -160,19 +186,20 @@ def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, arg
     notes, errors = [], {}
     cudnn_us = prefill.sdpa_peer_us(bf16, batch, causal, "cudnn", SDPBackend.CUDNN_ATTENTION, runs["bf16 ragged"][1],
                                     args, notes, errors)
+    theirs, peer_err = peer_tflops(peer, fp8, causal, "fa3", SCALES.kwargs, runs["bf16 ragged"][1], flops, args, notes)
     del fp8, bf16, runs
     torch.cuda.empty_cache()
     return PrefillRow(batch, length, h.dim, causal, tflops["fp8 paged"], tflops["fp8 ragged"], tflops["bf16 ragged"],
                       flops / (cudnn_us * 1e6) if cudnn_us else None, rel_l2, max_abs, "; ".join(notes),
-                      errors.get("cudnn"))
+                      errors.get("cudnn"), theirs.get(True), theirs.get(False), peer_err)
 
 
-def prefill_rows(args) -> list[PrefillRow]:
+def prefill_rows(args, peer=None) -> list[PrefillRow]:
     """Every head dim x shape, non-causal then causal; none off sm90, where fa3 does not run."""
     if "fa3" not in prefill.BACKENDS:
         print("attnforge bench fp8: fa3 fp8 prefill needs sm90; skipping the prefill table", file=sys.stderr)
         return []
-    return [measure_prefill(b, n, prefill.Heads.for_head_dim(dim), causal, args)
+    return [measure_prefill(b, n, prefill.Heads.for_head_dim(dim), causal, args, peer)
             for dim in args.head_dims for b, n in args.shapes for causal in (False, True)]
 
 
@@ -189,33 +216,49 @@ class Fp8KvPrefillRow:
     bf16_ragged_tflops: float
     rel_l2: float  # fp8-KV vs bf16 output, the worse of paged and ragged
     max_abs: float
+    notes: str = ""
+    # FlashInfer's fa2 over the e4m3 cache, same tensors and calls (None: not run, or n/a: see notes)
+    flashinfer_fp8_kv_paged_tflops: float | None = None
+    flashinfer_fp8_kv_ragged_tflops: float | None = None
+    flashinfer_rel_l2_vs_bf16: float | None = None
 
     @property
     def fp8_kv_vs_bf16(self) -> float:
         return self.fp8_kv_ragged_tflops / self.bf16_ragged_tflops
 
 
-def measure_fp8_kv_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, args) -> Fp8KvPrefillRow:
-    fp8 = converted(prefill.make_problem(batch, length, h), quantize)
+def fp8_kv_problem(problem: prefill.Problem) -> tuple[prefill.Problem, prefill.Problem]:
+    """(bf16 q over the e4m3 k/v and cache, the bf16 problem of the same values) from a bf16 problem."""
+    fp8 = converted(problem, quantize)
     bf16 = converted(fp8, dequantize)
-    fp8_kv = replace(fp8, q=bf16.q)
-    kv_scales = dict(k_scale=SCALES.k, v_scale=SCALES.v)
+    return replace(fp8, q=bf16.q), bf16
+
+
+KV_SCALES = dict(k_scale=SCALES.k, v_scale=SCALES.v)
+
+
+def measure_fp8_kv_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, args,
+                           peer=None) -> Fp8KvPrefillRow:
+    fp8_kv, bf16 = fp8_kv_problem(prefill.make_problem(batch, length, h))
     runs = {
-        "fp8-KV paged": prefill.ours(fp8_kv, causal, True, "fa2", kv_scales),
-        "fp8-KV ragged": prefill.ours(fp8_kv, causal, False, "fa2", kv_scales),
+        "fp8-KV paged": prefill.ours(fp8_kv, causal, True, "fa2", KV_SCALES),
+        "fp8-KV ragged": prefill.ours(fp8_kv, causal, False, "fa2", KV_SCALES),
         "bf16 ragged": prefill.ours(bf16, causal, False, "fa2"),
     }
     rel_l2, max_abs = checked_once(runs, "bf16 ragged", f"fa2 prefill {batch}x{length} hd {h.dim} causal={causal}")
     flops = prefill.flop_count(batch, length, h, causal)
     tflops = {key: flops / (time_cuda_us(run, args.iters, args.warmup) * 1e6) for key, (run, _) in runs.items()}
-    del fp8, bf16, fp8_kv, runs
+    notes = []
+    theirs, peer_err = peer_tflops(peer, fp8_kv, causal, "fa2", KV_SCALES, runs["bf16 ragged"][1], flops, args, notes)
+    del bf16, fp8_kv, runs
     torch.cuda.empty_cache()
     return Fp8KvPrefillRow(batch, length, h.dim, causal, tflops["fp8-KV paged"], tflops["fp8-KV ragged"],
-                           tflops["bf16 ragged"], rel_l2, max_abs)
+                           tflops["bf16 ragged"], rel_l2, max_abs, "; ".join(notes), theirs.get(True),
+                           theirs.get(False), peer_err)
 
 
-def fp8_kv_prefill_rows(args) -> list[Fp8KvPrefillRow]:
-    return [measure_fp8_kv_prefill(b, n, prefill.Heads.for_head_dim(dim), causal, args)
+def fp8_kv_prefill_rows(args, peer=None) -> list[Fp8KvPrefillRow]:
+    return [measure_fp8_kv_prefill(b, n, prefill.Heads.for_head_dim(dim), causal, args, peer)
             for dim in args.head_dims for b, n in args.shapes for causal in (False, True)]
 
 
@@ -246,24 +289,40 @@ class DecodeRow:
     fp8_pct_copy_bw: float
     rel_l2: float  # fp8 vs bf16 output
     max_abs: float
+    notes: str = ""
+    # FlashInfer's decode on the same path, inputs and calls (None: not run, or n/a: see notes)
+    flashinfer_bf16_us: float | None = None
+    flashinfer_fp8_us: float | None = None
 
     @property
     def speedup(self) -> float:
         return self.bf16_us / self.fp8_us
 
 
-def decode_call(path: DecodePath, table: decode.Problem, q: torch.Tensor, cache: tuple):
-    """Plans once and returns (run, out)."""
-    import attnforge
+def decode_call(library, path: DecodePath, table: decode.Problem, q: torch.Tensor, cache: tuple):
+    """Plans once through `library` (attnforge or FlashInfer: decode.decode_call) and returns (run, out)."""
+    workspace = torch.empty(prefill.WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+    return decode.decode_call(library, table, "NHD", workspace, path.tensor_cores, path.backend, q, cache)
 
-    _, page_size, kv_heads, head_dim = cache[0].shape
-    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
-        torch.empty(prefill.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), use_tensor_cores=path.tensor_cores,
-        backend=path.backend)
-    wrapper.plan(table.indptr, table.indices, table.last_page_len, q.shape[1], kv_heads, head_dim, page_size,
-                 q_data_type=q.dtype, kv_data_type=cache[0].dtype, o_data_type=DTYPE)
-    out = torch.empty(q.shape, dtype=DTYPE, device=q.device)
-    return (lambda: wrapper.run(q, cache, out=out)), out
+
+def decode_key(path: DecodePath, kv: str) -> str:
+    return f"{path.name} decode, {kv} KV"
+
+
+def decode_builds(path: DecodePath, table: decode.Problem, variants: dict) -> dict:
+    """{decode_key: build(library)} of decode_call for each variant ("bf16"/"fp8" -> (q, cache))."""
+    return {decode_key(path, key): (lambda lib, q=q, cache=cache: decode_call(lib, path, table, q, cache))
+            for key, (q, cache) in variants.items()}
+
+
+def decode_variants(path: DecodePath, table: decode.Problem, cache16: tuple, group: int) -> dict:
+    """{"bf16": (q, bf16 cache), "fp8": (q, e4m3 cache)}: one q of the same values, e4m3 in the fp8 variant
+    of a path that quantizes q too."""
+    kv_heads, head_dim = cache16[0].shape[2:]
+    gen = torch.Generator(device="cuda").manual_seed(group)
+    q8 = torch.randn(table.q.shape[0], kv_heads * group, head_dim, device="cuda", generator=gen).to(E4M3)
+    q16 = q8.to(DTYPE)  # the same values for both variants
+    return {"bf16": (q16, cache16), "fp8": (q8 if path.fp8_q else q16, table.cache)}
 
 
 def bytes_moved(table: decode.Problem, q: torch.Tensor, cache: tuple) -> int:
@@ -272,25 +331,42 @@ def bytes_moved(table: decode.Problem, q: torch.Tensor, cache: tuple) -> int:
 
 
 def measure_decode(path: DecodePath, table: decode.Problem, cache16: tuple, group: int, args,
-                   copy_gbps: float) -> DecodeRow:
-    kv_heads, head_dim = cache16[0].shape[2:]
-    gen = torch.Generator(device="cuda").manual_seed(group)
-    q8 = torch.randn(prefill.DECODE_BATCH, kv_heads * group, head_dim, device="cuda", generator=gen).to(E4M3)
-    q16 = q8.to(DTYPE)  # the same values for both variants
-    variants = {"bf16": (q16, cache16), "fp8": (q8 if path.fp8_q else q16, table.cache)}
-    runs = {key: decode_call(path, table, q, cache) for key, (q, cache) in variants.items()}
+                   copy_gbps: float, peer=None) -> DecodeRow:
+    variants = decode_variants(path, table, cache16, group)
+    import attnforge
+
+    runs = {key: decode_call(attnforge, path, table, q, cache) for key, (q, cache) in variants.items()}
     rel_l2, max_abs = checked_once(runs, "bf16", f"{path.name} decode, group {group}")
     us = {key: time_cuda_us(run, args.iters, args.warmup) for key, (run, _) in runs.items()}
     pct = {key: 100.0 * bytes_moved(table, *variants[key]) / (us[key] * 1e3) / copy_gbps for key in runs}
-    return DecodeRow(path.name, group, us["bf16"], us["fp8"], pct["bf16"], pct["fp8"], rel_l2, max_abs)
+    notes, theirs = [], {}
+    if peer is not None:  # each checked against our bf16 output, as ours are
+        builds = decode_builds(path, table, variants)
+        theirs, _ = prefill.peer_us(peer, builds, dict.fromkeys(builds, runs["bf16"][1]), args, notes, MAX_REL_L2)
+    return DecodeRow(path.name, group, us["bf16"], us["fp8"], pct["bf16"], pct["fp8"], rel_l2, max_abs,
+                     "; ".join(notes), theirs.get(decode_key(path, "bf16")), theirs.get(decode_key(path, "fp8")))
 
 
-def decode_rows(args, copy_gbps: float) -> list[DecodeRow]:
+def warm_peer(peer, args) -> None:
+    """The first call of every FlashInfer module the run needs, on small problems, before timing."""
+    for dim in args.head_dims:
+        small = prefill.make_problem(1, 128, prefill.Heads.for_head_dim(dim))
+        if "fa3" in prefill.BACKENDS:
+            peer.warm(prefill.builds(converted(small, quantize), True, [("fa3", True), ("fa3", False)], SCALES.kwargs))
+        peer.warm(prefill.builds(fp8_kv_problem(small)[0], True, [("fa2", True), ("fa2", False)], KV_SCALES))
+    if not args.no_decode:
+        table = decode.make_problem(1, decode.PAGE_SIZE, "NHD", E4M3)
+        cache16 = tuple(c.to(DTYPE) for c in table.cache)
+        for path in DECODE_PATHS:
+            peer.warm(decode_builds(path, table, decode_variants(path, table, cache16, prefill.DECODE_GROUPS[0])))
+
+
+def decode_rows(args, copy_gbps: float, peer=None) -> list[DecodeRow]:
     """fp8-KV vs bf16-KV decode at batch 64 x kv 4096 for GQA groups 1, 4, 8, on every path."""
     # e4m3 pages (and dense bf16 copies of the same values, counted for the bytes moved)
     table = decode.make_problem(prefill.DECODE_BATCH, prefill.DECODE_KV_LEN, "NHD", E4M3)
     cache16 = tuple(c.to(DTYPE) for c in table.cache)  # exact
-    return [measure_decode(path, table, cache16, group, args, copy_gbps)
+    return [measure_decode(path, table, cache16, group, args, copy_gbps, peer)
             for path in DECODE_PATHS for group in prefill.DECODE_GROUPS]
 
 
@@ -307,25 +383,28 @@ def prefill_table(rows: list[PrefillRow]) -> list[str]:
     lines = [f"Prefill, fa3 e4m3 q/k/v (scales q {SCALES.q:g}, k {SCALES.k:g}, v {SCALES.v:g}) -> bf16 o:", "",
              "| batch x len | head dim (q/kv heads) | causal | fp8 paged TFLOP/s | fp8 ragged TFLOP/s | "
              "bf16 ragged TFLOP/s | SDPA cuDNN bf16 TFLOP/s | fp8 / bf16 (ragged) | fp8 ragged / cuDNN | "
-             "rel L2 vs bf16 | max abs vs bf16 | notes |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "rel L2 vs bf16 | max abs vs bf16 | FlashInfer fp8 paged / ragged TFLOP/s | notes |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(f"{_shape_cells(r.batch, r.length, r.head_dim, r.causal)} "
                      f"{r.fp8_paged_tflops:.1f} | {r.fp8_ragged_tflops:.1f} | {r.bf16_ragged_tflops:.1f} | "
                      f"{_fmt(r.cudnn_tflops)} | {r.fp8_vs_bf16:.2f} | {_fmt(r.fp8_vs_cudnn, '.2f')} | "
-                     f"{r.rel_l2:.2e} | {r.max_abs:.2e} | {r.notes} |")
+                     f"{r.rel_l2:.2e} | {r.max_abs:.2e} | {_fmt(r.flashinfer_fp8_paged_tflops)} / "
+                     f"{_fmt(r.flashinfer_fp8_ragged_tflops)} | {r.notes} |")
     return lines
 
 
 def fp8_kv_prefill_table(rows: list[Fp8KvPrefillRow]) -> list[str]:
     lines = [f"Prefill, fa2, bf16 q over an e4m3 KV cache (k_scale {SCALES.k:g}, v_scale {SCALES.v:g}) -> bf16 o:", "",
              "| batch x len | head dim (q/kv heads) | causal | fp8-KV paged TFLOP/s | fp8-KV ragged TFLOP/s | "
-             "bf16 ragged TFLOP/s | fp8-KV / bf16 (ragged) | rel L2 vs bf16 | max abs vs bf16 |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "bf16 ragged TFLOP/s | fp8-KV / bf16 (ragged) | rel L2 vs bf16 | max abs vs bf16 | "
+             "FlashInfer fp8-KV paged / ragged TFLOP/s | notes |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(f"{_shape_cells(r.batch, r.length, r.head_dim, r.causal)} "
                      f"{r.fp8_kv_paged_tflops:.1f} | {r.fp8_kv_ragged_tflops:.1f} | {r.bf16_ragged_tflops:.1f} | "
-                     f"{r.fp8_kv_vs_bf16:.2f} | {r.rel_l2:.2e} | {r.max_abs:.2e} |")
+                     f"{r.fp8_kv_vs_bf16:.2f} | {r.rel_l2:.2e} | {r.max_abs:.2e} | "
+                     f"{_fmt(r.flashinfer_fp8_kv_paged_tflops)} / {_fmt(r.flashinfer_fp8_kv_ragged_tflops)} | {r.notes} |")
     return lines
 
 
@@ -333,11 +412,12 @@ def decode_table(rows: list[DecodeRow], copy_gbps: float) -> list[str]:
     lines = [f"Decode, batch {prefill.DECODE_BATCH} x kv {prefill.DECODE_KV_LEN}, {decode.NUM_KV_HEADS} kv heads, "
              f"hd {decode.HEAD_DIM}, page {decode.PAGE_SIZE}, e4m3 vs bf16 KV (copy bandwidth {copy_gbps:.0f} GB/s):",
              "", "| path | group | bf16 KV (µs) | % copy BW | fp8 KV (µs) | % copy BW | fp8 speed-up | "
-             "rel L2 vs bf16 | max abs vs bf16 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "rel L2 vs bf16 | max abs vs bf16 | FlashInfer bf16 KV (µs) | FlashInfer fp8 KV (µs) | notes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(f"| {r.path} | {r.group} | {r.bf16_us:.1f} | {r.bf16_pct_copy_bw:.1f} | {r.fp8_us:.1f} | "
-                     f"{r.fp8_pct_copy_bw:.1f} | {r.speedup:.2f} | {r.rel_l2:.2e} | {r.max_abs:.2e} |")
+                     f"{r.fp8_pct_copy_bw:.1f} | {r.speedup:.2f} | {r.rel_l2:.2e} | {r.max_abs:.2e} | "
+                     f"{_fmt(r.flashinfer_bf16_us)} | {_fmt(r.flashinfer_fp8_us)} | {r.notes} |")
     return lines
 
 
@@ -353,7 +433,7 @@ def markdown(rows: list[PrefillRow], decode_results: list[DecodeRow], copy_gbps:
     return "\n\n".join("\n".join(lines) for lines in tables)
 
 
-def config(args) -> dict:
+def config(args, peer: _peers.Peer | None = None) -> dict:
     """What the JSON record says about the problems and the method."""
     heads = {str(dim): dict(zip(("num_qo_heads", "num_kv_heads"), prefill.HEADS_BY_HEAD_DIM[dim]))
              for dim in args.head_dims}
@@ -361,7 +441,9 @@ def config(args) -> dict:
                 page_size=prefill.PAGE_SIZE, iters=args.iters, warmup=args.warmup, settle_s=SETTLE_SECONDS,
                 max_rel_l2=MAX_REL_L2, timer="CUDA events per call, median",
                 flops="4 * B * L^2 * Hq * D, halved for causal, for every dtype",
-                peers="our bf16 kernels and torch SDPA cuDNN bf16 on the dequantized values",
+                peers="our bf16 kernels and torch SDPA cuDNN bf16 on the dequantized values; FlashInfer on the fp8 "
+                      "tensors themselves, through the same calls as ours",
+                flashinfer=peer.config() if peer else None,
                 decode=dict(batch=prefill.DECODE_BATCH, kv_len=prefill.DECODE_KV_LEN, num_kv_heads=decode.NUM_KV_HEADS,
                             head_dim=decode.HEAD_DIM, page_size=decode.PAGE_SIZE, groups=list(prefill.DECODE_GROUPS)))
 
@@ -372,17 +454,19 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("attnforge bench fp8: needs a CUDA device", file=sys.stderr)
         return 2
+    peer = _peers.Peer.from_args(args)
+    warm_peer(peer, args)
     try:
-        rows = prefill_rows(args)
-        kv_rows = fp8_kv_prefill_rows(args)
+        rows = prefill_rows(args, peer)
+        kv_rows = fp8_kv_prefill_rows(args, peer)
         copy_gbps = copy_bandwidth_gbps()
-        decode_results = [] if args.no_decode else decode_rows(args, copy_gbps)
+        decode_results = [] if args.no_decode else decode_rows(args, copy_gbps, peer)
     except AssertionError as exc:
         print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
         return 1
     print(markdown(rows, decode_results, copy_gbps, kv_rows))
     if args.out:
-        _record.write(args.out, "fp8", argv, config(args), tables=dict(
+        _record.write(args.out, "fp8", argv, config(args, peer), tables=dict(
             fa3_prefill=[asdict(r) for r in rows], fa2_fp8_kv_prefill=[asdict(r) for r in kv_rows],
             decode=[asdict(r) for r in decode_results],
         ), copy_bandwidth_gbps=copy_gbps)

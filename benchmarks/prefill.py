@@ -1,16 +1,22 @@
-"""Batch prefill benchmark: attnforge FA2 and FA3 prefill (paged and ragged) vs torch SDPA, same run;
-and tensor-core vs CUDA-core decode.
+"""Batch prefill benchmark: attnforge FA2 and FA3 prefill (paged and ragged) vs FlashInfer's and torch
+SDPA, same run; and tensor-core vs CUDA-core decode, ours and FlashInfer's.
 
     python -m attnforge.benchmarks.prefill [--shapes 16x1024 4x4096 1x16384] [--head-dims 64 80 96 ... 256]
-                                           [--out F.json]
+                                           [--no-peers] [--no-flashinfer] [--out F.json]
 
 Prefill shape (the acceptance config): bf16, 32 query / 8 kv heads (head dim 256: 16 / 4), head
 dim 128 unless --head-dims says otherwise, every request L query tokens over the same L kv
 tokens, causal and non-causal; paged with page size 16 (pages scattered at random) and ragged.
 TFLOP/s counts 4 * B * L^2 * Hq * D, halved for causal.
-Peers: torch SDPA pinned to cuDNN and to FLASH_ATTENTION on dense [B, H, L, D] tensors holding
-the same contents. Decode: batch 64 x kv 4096, 8 kv heads, hd 128, GQA groups 1, 4, 8, through
-BatchDecodeWithPagedKVCacheWrapper on CUDA cores and on tensor cores (fa2, and fa3 on sm90).
+Peers: FlashInfer (when importable; --no-flashinfer skips it), its fa2 and fa3 paged and ragged
+wrappers driven by the same prefill_call() as ours, so the same tensors, plan() and run() arguments
+(TFLOP/s columns flashinfer_*, its output checked against ours of the same call); torch SDPA pinned to
+cuDNN and to FLASH_ATTENTION on dense [B, H, L, D] tensors holding the same contents (--no-peers
+skips SDPA). Decode: batch 64 x kv 4096, 8 kv heads, hd 128, GQA groups 1, 4, 8, through
+BatchDecodeWithPagedKVCacheWrapper on CUDA cores and on tensor cores (fa2, and fa3 on sm90), ours
+and FlashInfer's through decode.decode_call(). FlashInfer JIT-compiles a module on first use: every
+one the run needs gets its first call (printed, with its time) before anything is timed. A FlashInfer
+call that raises is n/a in its cell, the reason in the row's notes.
 
 Method: CUDA events around each call, median after warm-up, no L2 flush.
 """
@@ -27,7 +33,7 @@ import torch.nn.functional as F
 
 from attnforge.codegen.rules import HEAD_DIMS
 
-from . import _record
+from . import _peers, _record, decode
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
@@ -63,6 +69,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-decode", action="store_true", help="skip the tensor-core vs CUDA-core decode table")
+    _peers.add_option(p)
     _record.add_out_option(p)
     return p.parse_args(argv)
 
@@ -115,24 +122,33 @@ def make_problem(batch: int, length: int, h: Heads = ACCEPTANCE, seed: int = 0) 
                    page_ids, last)
 
 
-def ours(problem: Problem, causal: bool, paged: bool, backend: str, scales: dict | None = None):
-    """Plans once and returns (run, out). The problem's dtypes are the plan's, the output is bf16 (an fp8
-    problem runs with `scales`: q_scale, k_scale, v_scale)."""
-    import attnforge
-
-    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+def prefill_call(library, problem: Problem, causal: bool, paged: bool, backend: str, scales: dict | None = None):
+    """Plans once through `library`'s prefill wrapper (attnforge or FlashInfer: the same calls) and returns
+    (run, out). The problem's dtypes are the plan's, the output is bf16. An fp8 problem runs with
+    `scales` (q_scale, k_scale, v_scale): after the cache, positionally, when q is fp8 (FlashInfer's fa3
+    fp8 form; its ragged run reads them nowhere else), else as keywords (k_scale, v_scale of an fp8 cache)."""
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=problem.q.device)
     out = torch.empty(problem.q.shape, dtype=DTYPE, device=problem.q.device)
     h = problem.heads
     types = dict(q_data_type=problem.q.dtype, kv_data_type=problem.k.dtype, o_data_type=DTYPE)
     scales = scales or {}
+    args = tuple(scales[name] for name in ("q_scale", "k_scale", "v_scale")) if problem.q.element_size() == 1 else ()
+    kwargs = {} if args else scales
     if paged:
-        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend=backend)
+        wrapper = library.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
         wrapper.plan(problem.qo_indptr, problem.page_indptr, problem.page_ids, problem.last_page_len, h.qo, h.kv,
                      h.dim, PAGE_SIZE, causal=causal, **types)
-        return (lambda: wrapper.run(problem.q, problem.cache, out=out, **scales)), out
-    wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=backend)
+        return (lambda: wrapper.run(problem.q, problem.cache, *args, out=out, **kwargs)), out
+    wrapper = library.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
     wrapper.plan(problem.qo_indptr, problem.qo_indptr, h.qo, h.kv, h.dim, causal=causal, **types)
-    return (lambda: wrapper.run(problem.q, problem.k, problem.v, out=out, **scales)), out
+    return (lambda: wrapper.run(problem.q, problem.k, problem.v, *args, out=out, **kwargs)), out
+
+
+def ours(problem: Problem, causal: bool, paged: bool, backend: str, scales: dict | None = None):
+    """prefill_call through attnforge."""
+    import attnforge
+
+    return prefill_call(attnforge, problem, causal, paged, backend, scales)
 
 
 def sdpa(problem: Problem, batch: int, causal: bool, backend):
@@ -200,6 +216,12 @@ class Row:
     cudnn_rel_l2_vs_ours: float | None = None  # the peer against our fa2 ragged output, same contents
     flash_rel_l2_vs_ours: float | None = None
     ours_max_abs_spread: float | None = None  # fa2/fa3 paged/ragged outputs against fa2 ragged's
+    # FlashInfer's fa2 and fa3 on the same tensors and calls (None: not run, or n/a with the reason in notes)
+    flashinfer_paged_tflops: float | None = None
+    flashinfer_ragged_tflops: float | None = None
+    flashinfer_fa3_paged_tflops: float | None = None
+    flashinfer_fa3_ragged_tflops: float | None = None
+    flashinfer_rel_l2_vs_ours: float | None = None  # the worst of its outputs against ours of the same call
 
 
 VERIFY_BATCH, VERIFY_LENGTH = 3, 300
@@ -233,7 +255,46 @@ def flop_count(batch: int, length: int, h: Heads, causal: bool) -> float:
     return 4 * batch * length * length * h.qo * h.dim / (2 if causal else 1)
 
 
-def measure(batch: int, length: int, h: Heads, causal: bool, args) -> Row:
+def call_key(backend: str, paged: bool, problem: Problem) -> str:
+    """A prefill call's name in the peer's notes: what picks its module and path."""
+    fp8 = " e4m3 q/k/v" if problem.q.element_size() == 1 else " e4m3 KV" if problem.k.element_size() == 1 else ""
+    return f"{backend}{fp8} {'paged' if paged else 'ragged'} prefill hd {problem.heads.dim}"
+
+
+def warm_peer(peer: _peers.Peer, head_dims) -> None:
+    """The first call of every peer prefill module the run needs, on a small problem, before timing."""
+    paths = [(backend, paged) for backend in BACKENDS for paged in (True, False)]
+    for dim in head_dims:
+        peer.warm(builds(make_problem(1, 128, Heads.for_head_dim(dim)), True, paths))
+
+
+def checker(ours_out: torch.Tensor, limit: float, errors: list, notes: list, what: str):
+    """check(out) for Peer.timed: the peer's output against ours, its relative L2 into errors, a note
+    past `limit` (the same contents and maths: a mismatch means the comparison is not like for like)."""
+    def check(out: torch.Tensor) -> None:
+        rel_l2, _ = error_stats(out, ours_out)
+        errors.append(rel_l2)
+        if not rel_l2 <= limit:
+            notes.append(f"FlashInfer {what} output differs from ours by relative L2 {rel_l2:.3g}")
+    return check
+
+
+def builds(problem: Problem, causal: bool, paths, scales: dict | None = None) -> dict:
+    """{call_key: build(library)} of prefill_call on the problem, for each (backend, paged) of paths."""
+    return {call_key(backend, paged, problem): (
+        lambda lib, b=backend, p=paged: prefill_call(lib, problem, causal, p, b, scales)) for backend, paged in paths}
+
+
+def peer_us(peer: _peers.Peer, builds: dict, ours_outs: dict, args, notes: list, limit: float = PEER_MAX_REL_L2):
+    """({key: FlashInfer's µs, None when n/a (the reason in notes)}, the worst relative L2 of its outputs
+    against ours_outs[key], ours of the same call or of the same contents) for each key -> build."""
+    errors = []
+    times = {key: peer.timed(key, build, lambda run: time_cuda_us(run, args.iters, args.warmup), notes,
+                             checker(ours_outs[key], limit, errors, notes, key)) for key, build in builds.items()}
+    return times, max(errors, default=None)
+
+
+def measure(batch: int, length: int, h: Heads, causal: bool, args, peer: _peers.Peer | None = None) -> Row:
     from torch.nn.attention import SDPBackend
 
     problem = make_problem(batch, length, h)
@@ -253,84 +314,103 @@ def measure(batch: int, length: int, h: Heads, causal: bool, args) -> Row:
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         us = sdpa_peer_us(problem, batch, causal, name, backend, reference_out, args, notes, errors)
         peers[name] = tflops(us) if us else None
+    theirs, peer_err = {}, None
+    if peer is not None:
+        us, peer_err = peer_us(peer, builds(problem, causal, outs),
+                               {call_key(*path, problem): out for path, out in outs.items()}, args, notes)
+        theirs = {path: tflops(us[call_key(*path, problem)]) if us[call_key(*path, problem)] else None for path in outs}
     del problem
     torch.cuda.empty_cache()
     fa3 = {paged: tflops(times["fa3", paged]) if ("fa3", paged) in times else None for paged in (True, False)}
     return Row(batch, length, h.dim, causal, times["fa2", True], times["fa2", False], tflops(times["fa2", True]),
                tflops(times["fa2", False]), fa3[True], fa3[False], peers["cudnn"], peers["flash"], "; ".join(notes),
-               times.get(("fa3", True)), times.get(("fa3", False)), errors.get("cudnn"), errors.get("flash"), spread)
+               times.get(("fa3", True)), times.get(("fa3", False)), errors.get("cudnn"), errors.get("flash"), spread,
+               theirs.get(("fa2", True)), theirs.get(("fa2", False)), theirs.get(("fa3", True)),
+               theirs.get(("fa3", False)), peer_err)
 
 
 # (column, use_tensor_cores, backend) of the decode table
 DECODE_PATHS = (("cuda_cores", False, "auto"),) + tuple((f"tensor_cores_{b}", True, b) for b in BACKENDS)
 
 
-def decode_rows(args, copy_gbps: float) -> list[dict]:
-    """Tensor-core vs CUDA-core decode at batch 64 x kv 4096 for GQA groups 1, 4, 8."""
+def decode_rows(args, copy_gbps: float, peer: _peers.Peer | None = None) -> list[dict]:
+    """Tensor-core vs CUDA-core decode at batch 64 x kv 4096 for GQA groups 1, 4, 8; ours, and FlashInfer's
+    through the same calls (flashinfer_{path}_us, None with the reason in the row's notes)."""
     import attnforge
 
-    rows = []
-    pages_per = DECODE_KV_LEN // PAGE_SIZE
-    pool = DECODE_BATCH * pages_per
+    table = decode.make_problem(DECODE_BATCH, DECODE_KV_LEN, "NHD")
+    kv_bytes = 2 * table.dense_k.numel() * table.dense_k.element_size()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cache = tuple(torch.randn(pool, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
-                  for _ in range(2))
-    indptr = torch.arange(0, pool + 1, pages_per, dtype=torch.int32)
-    page_ids = torch.randperm(pool, device="cuda", generator=gen).to(torch.int32)
-    last = torch.full((DECODE_BATCH,), PAGE_SIZE, dtype=torch.int32)
-    kv_bytes = 2 * pool * PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
+    rows = []
     for group in DECODE_GROUPS:
-        heads = NUM_KV_HEADS * group
-        q = torch.randn(DECODE_BATCH, heads, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
-        row = {"group": group}
-        outs = {}
+        q = torch.randn(DECODE_BATCH, NUM_KV_HEADS * group, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+        row, outs, notes = {"group": group}, {}, []
+
+        def build(library, tensor_cores, backend):
+            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+            return decode.decode_call(library, table, "NHD", workspace, tensor_cores, backend, q)
+
         for key, tensor_cores, backend in DECODE_PATHS:
-            wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
-                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), use_tensor_cores=tensor_cores,
-                backend=backend)
-            wrapper.plan(indptr, page_ids, last, heads, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=DTYPE)
-            out = outs[key] = torch.empty_like(q)
-            us = time_cuda_us(lambda: wrapper.run(q, cache, out=out), args.iters, args.warmup)
-            row[f"{key}_us"] = us
+            run, outs[key] = build(attnforge, tensor_cores, backend)
+            us = row[f"{key}_us"] = time_cuda_us(run, args.iters, args.warmup)
             row[f"{key}_pct_copy_bw"] = 100.0 * kv_bytes / (us * 1e3) / copy_gbps
+        for key, tensor_cores, backend in DECODE_PATHS if peer is not None else ():
+            row[f"flashinfer_{key}_us"] = peer.timed(
+                f"{key.replace('_', ' ')} decode", lambda lib: build(lib, tensor_cores, backend),
+                lambda run: time_cuda_us(run, args.iters, args.warmup), notes,
+                checker(outs[key], PEER_MAX_REL_L2, [], notes, f"{key.replace('_', ' ')} decode"))
         row["max_abs_diff"] = max((o.float() - outs["cuda_cores"].float()).abs().max().item() for o in outs.values())
+        row["notes"] = "; ".join(notes)
         rows.append(row)
     return rows
 
 
-def markdown(rows: list[Row], decode: list[dict], copy_gbps: float) -> str:
+def warm_decode_peer(peer: _peers.Peer) -> None:
+    """The first call of every peer decode path of the decode table, on a small problem."""
+    small = decode.make_problem(1, PAGE_SIZE, "NHD")
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    peer.warm({f"{key.replace('_', ' ')} decode": (lambda lib, t=tensor_cores, b=backend:
+                                                   decode.decode_call(lib, small, "NHD", workspace, t, b))
+               for key, tensor_cores, backend in DECODE_PATHS})
+
+
+def markdown(rows: list[Row], decode_results: list[dict], copy_gbps: float) -> str:
     lines = ["| batch x len | head dim (q/kv heads) | causal | fa2 paged (µs) | fa2 ragged (µs) | fa2 paged TFLOP/s | fa2 ragged TFLOP/s | "
              "fa3 paged TFLOP/s | fa3 ragged TFLOP/s | SDPA cuDNN TFLOP/s | SDPA FLASH TFLOP/s | fa2 ragged / FLASH | "
-             "fa2 paged / ragged time | notes |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "fa2 paged / ragged time | FlashInfer fa2 paged / ragged / fa3 paged / ragged TFLOP/s | notes |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     fmt = lambda x: f"{x:.1f}" if x is not None else "n/a"  # noqa: E731
+    peer_tflops = lambda r: (r.flashinfer_paged_tflops, r.flashinfer_ragged_tflops, r.flashinfer_fa3_paged_tflops,  # noqa: E731
+                             r.flashinfer_fa3_ragged_tflops)
     for r in rows:
         vs_flash = f"{r.ragged_tflops / r.flash_tflops:.2f}" if r.flash_tflops else "n/a"
         h = Heads.for_head_dim(r.head_dim)
         lines.append(f"| {r.batch} x {r.length} | {r.head_dim} ({h.qo}/{h.kv}) | {'yes' if r.causal else 'no'} | {r.paged_us:.1f} | {r.ragged_us:.1f} | "
                      f"{r.paged_tflops:.1f} | {r.ragged_tflops:.1f} | {fmt(r.fa3_paged_tflops)} | "
                      f"{fmt(r.fa3_ragged_tflops)} | {fmt(r.cudnn_tflops)} | {fmt(r.flash_tflops)} | "
-                     f"{vs_flash} | {r.paged_us / r.ragged_us:.3f} | {r.notes} |")
-    if decode:
+                     f"{vs_flash} | {r.paged_us / r.ragged_us:.3f} | {' / '.join(map(fmt, peer_tflops(r)))} | "
+                     f"{r.notes} |")
+    if decode_results:
         lines += ["", f"Decode, batch {DECODE_BATCH} x kv {DECODE_KV_LEN}, {NUM_KV_HEADS} kv heads (copy bandwidth "
                   f"{copy_gbps:.0f} GB/s):", "",
-                  "| group | " + " | ".join(f"{key.replace('_', ' ')} (µs) | % copy BW" for key, _, _ in DECODE_PATHS)
-                  + " | max abs diff |",
-                  "| ---: | " + " | ".join("---: | ---:" for _ in DECODE_PATHS) + " | ---: |"]
-        for d in decode:
-            cells = " | ".join(f"{d[f'{key}_us']:.1f} | {d[f'{key}_pct_copy_bw']:.1f}" for key, _, _ in DECODE_PATHS)
-            lines.append(f"| {d['group']} | {cells} | {d['max_abs_diff']:.2g} |")
+                  "| group | " + " | ".join(f"{key.replace('_', ' ')} (µs) | % copy BW | FlashInfer (µs)"
+                                           for key, _, _ in DECODE_PATHS) + " | max abs diff | notes |",
+                  "| ---: | " + " | ".join("---: | ---: | ---:" for _ in DECODE_PATHS) + " | ---: | --- |"]
+        for d in decode_results:
+            cells = " | ".join(f"{d[f'{key}_us']:.1f} | {d[f'{key}_pct_copy_bw']:.1f} | "
+                               f"{fmt(d.get(f'flashinfer_{key}_us'))}" for key, _, _ in DECODE_PATHS)
+            lines.append(f"| {d['group']} | {cells} | {d['max_abs_diff']:.2g} | {d.get('notes', '')} |")
     return "\n".join(lines)
 
 
-def config(args) -> dict:
+def config(args, peer: _peers.Peer | None = None) -> dict:
     """What the JSON record says about the problems and the method."""
     heads = {str(dim): dict(num_qo_heads=qo, num_kv_heads=kv) for dim, (qo, kv) in HEADS_BY_HEAD_DIM.items()}
     return dict(dtype="bf16", heads_by_head_dim=heads, page_size=PAGE_SIZE, backends=list(BACKENDS),
                 iters=args.iters, warmup=args.warmup, settle_s=SETTLE_SECONDS, l2_flush=False,
                 timer="CUDA events per call, median", flops="4 * B * L^2 * Hq * D, halved for causal",
                 peers="torch SDPA cuDNN and FLASH on dense [B, H, L, D] tensors of the same contents",
-                check_shape=f"{VERIFY_BATCH} x {VERIFY_LENGTH}",
+                check_shape=f"{VERIFY_BATCH} x {VERIFY_LENGTH}", flashinfer=peer.config() if peer else None,
                 decode=dict(batch=DECODE_BATCH, kv_len=DECODE_KV_LEN, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
                             groups=list(DECODE_GROUPS), paths=[key for key, _, _ in DECODE_PATHS]))
 
@@ -346,14 +426,18 @@ def main(argv=None) -> int:
     except AssertionError as exc:
         print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
         return 1
-    rows = [measure(b, n, Heads.for_head_dim(dim), causal, args)
+    peer = _peers.Peer.from_args(args)
+    warm_peer(peer, args.head_dims)
+    if not args.no_decode:
+        warm_decode_peer(peer)
+    rows = [measure(b, n, Heads.for_head_dim(dim), causal, args, peer)
             for dim in args.head_dims for b, n in args.shapes for causal in (False, True)]
     copy_gbps = copy_bandwidth_gbps()
-    decode = [] if args.no_decode else decode_rows(args, copy_gbps)
-    print(markdown(rows, decode, copy_gbps))
+    decode_results = [] if args.no_decode else decode_rows(args, copy_gbps, peer)
+    print(markdown(rows, decode_results, copy_gbps))
     if args.out:
-        _record.write(args.out, "prefill", argv, config(args),
-                      tables=dict(prefill=[asdict(r) for r in rows], tensor_core_decode=decode, check=checks),
+        _record.write(args.out, "prefill", argv, config(args, peer),
+                      tables=dict(prefill=[asdict(r) for r in rows], tensor_core_decode=decode_results, check=checks),
                       copy_bandwidth_gbps=copy_gbps)
     return 0
 

@@ -26,6 +26,7 @@ from . import _record
 BENCHMARKS = ("build", "decode", "prefill", "fp8")  # the order of the header's file list
 WIDTH = 100
 BACKEND_NAMES = {"fa2": "fa2 (mma.sync)", "fa3": "fa3 (wgmma, TMA)"}
+LAYOUTS = ("paged", "ragged")
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,37 @@ def worst(values) -> float | None:
     return max(present) if present else None
 
 
+def peer_sentence(run: Run, rows: list[dict], error: str = "", what: str = "") -> str:
+    """The FlashInfer peer of a table in one sentence (empty for records from before the peer): its
+    version and method, its worst rows[error] against ours (what: how that error is measured), or why
+    it did not run."""
+    peer = run["config"].get("flashinfer")
+    if not peer:
+        return ""
+    if peer["version"] is None:
+        return f" FlashInfer: {peer['note']}."
+    err = worst(r.get(error) for r in rows) if error else None
+    return (f" FlashInfer {peer['version']}: {peer['method']}" + (f" (its outputs within {what} {num(err, '.1e')})"
+                                                                    if err is not None else "")
+            + "; n/a: a call it refused, the reason in the notes.")
+
+
+def peer_columns(rows: list[dict], columns: list[tuple[str, str, str]], times: bool = False):
+    """FlashInfer's cells beside ours, when the rows have them (records from before the peer do not):
+    (header, cells(row)); columns are (what, our field, FlashInfer's field). The ratios are ours over
+    FlashInfer's speed."""
+    if not any(theirs in r for r in rows for _, _, theirs in columns):
+        return [], lambda r: []
+    unit = "µs" if times else "TFLOP/s"
+    header = ([f"FlashInfer {what} ({unit})" for what, _, _ in columns]
+              + [f"{what}: ours / FlashInfer" for what, _, _ in columns])
+
+    def cells(r: dict) -> list[str]:
+        return ([num(r.get(theirs)) for _, _, theirs in columns]
+                + [faster(r[ours], r.get(theirs), times=times) for _, ours, theirs in columns])
+    return header, cells
+
+
 # ---------------------------------------------------------------------------------------
 # the families
 
@@ -139,13 +171,16 @@ def decode_table(run: Run) -> list[str]:
              f"scattered at random. GB/s counts {c['bytes']} once; copy bandwidth "
              f"{num(run['copy_bandwidth_gbps'], '.0f')} GB/s ({c['copy']}). SDPA runs on a dense bf16 cache of the "
              "same contents" + (f" (its outputs within {num(peer_err, '.1e')} max abs of ours)" if peer_err else "")
-             + (f". Checked against attnforge.reference before timing ({checks})" if checks else "") + ".", ""]
+             + (f". Checked against attnforge.reference before timing ({checks})" if checks else "") + "."
+             + peer_sentence(run, rows, "flashinfer_max_abs_vs_ours", "max abs"), ""]
+    peer_header, peer_cells = peer_columns(rows, [("CUDA cores", "us", "flashinfer_us"),
+                                                  ("tensor cores", "us", "flashinfer_tc_us")], times=True)
     header = ["kv dtype", "batch", "kv len", "ours (µs)", "GB/s", "% copy BW", "SDPA cuDNN (µs)", "SDPA FLASH (µs)",
-              "speed-up vs cuDNN", "speed-up vs FLASH"] + ["speed-up vs bf16 KV"] * fp8_rows
+              "speed-up vs cuDNN", "speed-up vs FLASH"] + ["speed-up vs bf16 KV"] * fp8_rows + peer_header
     body = [[r["kv_dtype"], str(r["batch"]), str(r["kv_len"]), num(r["us"]), num(r["gbps"], ".0f"),
              num(r["pct_copy_bw"]), num(r["cudnn_us"]), num(r["flash_us"]),
              faster(r["us"], r["cudnn_us"], ".3f", times=True), faster(r["us"], r["flash_us"], ".3f", times=True)]
-            + [num(r["speedup_vs_bf16_kv"], ".2f")] * fp8_rows for r in rows]
+            + [num(r["speedup_vs_bf16_kv"], ".2f")] * fp8_rows + peer_cells(r) for r in rows]
     lines += table(header, body) + notes(rows, lambda r: f"{r['kv_dtype']} {r['batch']} x {r['kv_len']}")
     plans = run.table("plan")
     if plans:
@@ -192,11 +227,14 @@ def tensor_core_table(run: Run) -> list[str]:
              f"CUDA-core vs tensor-core decode, batch {d['batch']} x kv {d['kv_len']}, {d['num_kv_heads']} kv heads, "
              f"hd {d['head_dim']}, bf16, page {run['config']['page_size']}, by GQA group; copy bandwidth "
              f"{num(run['copy_bandwidth_gbps'], '.0f')} GB/s; max abs diff: the paths' outputs against the CUDA "
-             "cores'.", ""]
+             "cores'." + peer_sentence(run, rows), ""]
+    peer_header, peer_cells = peer_columns(rows, [(names.get(p, p), f"{p}_us", f"flashinfer_{p}_us")
+                                                  for p in d["paths"]], times=True)
     header = ["GQA group"] + [h for p in d["paths"] for h in (f"{names.get(p, p)} (µs)", "% copy BW")]
     body = [[str(r["group"])] + [num(r[f"{p}_{u}"]) for p in d["paths"] for u in ("us", "pct_copy_bw")]
-            + [num(r["max_abs_diff"], ".1e")] for r in rows]
-    return lines + table(header + ["max abs diff"], body)
+            + [num(r["max_abs_diff"], ".1e")] + peer_cells(r) for r in rows]
+    return (lines + table(header + ["max abs diff"] + peer_header, body)
+            + notes(rows, lambda r: f"GQA group {r['group']}"))
 
 
 def prefill_section(run: Run, backend: str) -> list[str]:
@@ -219,13 +257,17 @@ def prefill_section(run: Run, backend: str) -> list[str]:
              + (f"; our fa2 and fa3, paged and ragged outputs agree within max abs {num(spread, '.1e')}"
                 if spread is not None else "")
              + (f". Checked against attnforge.reference before timing ({c['check_shape']}, paged and ragged, causal "
-                f"and not): max abs {num(worst(k['max_abs'] for k in checks), '.1e')}" if checks else "") + ".", ""]
+                f"and not): max abs {num(worst(k['max_abs'] for k in checks), '.1e')}" if checks else "") + "."
+             + peer_sentence(run, rows, "flashinfer_rel_l2_vs_ours", "relative L2 of ours"), ""]
+    theirs = {"fa2": "flashinfer_{}_tflops", "fa3": "flashinfer_fa3_{}_tflops"}[backend]
+    peer_header, peer_cells = peer_columns(rows, [(layout, field, theirs.format(layout))
+                                                  for layout, field in zip(LAYOUTS, ours)])
     header = ["batch x len", "head dim (q/kv heads)", "causal", "paged TFLOP/s", "ragged TFLOP/s"]
     header += [f"SDPA {label} TFLOP/s" for _, label in peers]
-    header += [f"ragged / {label}" for _, label in peers] + ["paged / ragged"]
+    header += [f"ragged / {label}" for _, label in peers] + ["paged / ragged"] + peer_header
     body = [shape(r, run) + [num(r[ours[0]]), num(r[ours[1]])] + [num(r[f"{p}_tflops"]) for p, _ in peers]
             + [faster(r[ours[1]], r[f"{p}_tflops"]) for p, _ in peers] + [faster(r[ours[0]], r[ours[1]])]
-            for r in rows]
+            + peer_cells(r) for r in rows]
     return lines + table(header, body, left=3) + notes(rows, label)
 
 
@@ -238,36 +280,45 @@ def fp8_section(run: Run) -> list[str]:
         lines += ["", f"fa3 prefill, e4m3 q/k/v (scales q {s['q']:g}, k {s['k']:g}, v {s['v']:g}) -> bf16 o, "
                   f"against our fa3 bf16 and SDPA cuDNN bf16 on the dequantized values (exact in bf16); TFLOP/s "
                   f"counts {c['flops']}; rel L2 = the fp8 output against the bf16 one (the worse of paged and "
-                  "ragged).", ""]
+                  "ragged)." + peer_sentence(run, rows, "flashinfer_rel_l2_vs_bf16", "relative L2 of our bf16 one"), ""]
+        peer_header, peer_cells = peer_columns(rows, [(f"fp8 {layout}", f"fp8_{layout}_tflops",
+                                                       f"flashinfer_fp8_{layout}_tflops") for layout in LAYOUTS])
         header = ["batch x len", "head dim (q/kv heads)", "causal", "fp8 paged TFLOP/s", "fp8 ragged TFLOP/s",
                   "bf16 ragged TFLOP/s", "SDPA cuDNN bf16 TFLOP/s", "fp8 / bf16", "fp8 / cuDNN", "rel L2 vs bf16"]
         body = [shape(r, run) + [num(r["fp8_paged_tflops"]), num(r["fp8_ragged_tflops"]), num(r["bf16_ragged_tflops"]),
                             num(r["cudnn_tflops"]), faster(r["fp8_ragged_tflops"], r["bf16_ragged_tflops"]),
                             faster(r["fp8_ragged_tflops"], r["cudnn_tflops"]), num(r["rel_l2"], ".2e")]
-                for r in rows]
+                + peer_cells(r) for r in rows]
+        header += peer_header
         lines += table(header, body, left=3) + notes(rows, label)
     rows = run.table("fa2_fp8_kv_prefill")
     if rows:
         lines += ["", f"fa2 prefill, bf16 q over an e4m3 KV cache (k_scale {s['k']:g}, v_scale {s['v']:g}) against "
-                  "the bf16 cache of the same values; ratios and rel L2 of the ragged run.", ""]
+                  "the bf16 cache of the same values; ratios and rel L2 of the ragged run."
+                  + peer_sentence(run, rows, "flashinfer_rel_l2_vs_bf16", "relative L2 of our bf16 one"), ""]
+        peer_header, peer_cells = peer_columns(rows, [(f"fp8-KV {layout}", f"fp8_kv_{layout}_tflops",
+                                                       f"flashinfer_fp8_kv_{layout}_tflops") for layout in LAYOUTS])
         header = ["batch x len", "head dim (q/kv heads)", "causal", "fp8-KV paged TFLOP/s", "fp8-KV ragged TFLOP/s",
-                  "bf16 ragged TFLOP/s", "fp8-KV / bf16", "rel L2 vs bf16"]
+                  "bf16 ragged TFLOP/s", "fp8-KV / bf16", "rel L2 vs bf16"] + peer_header
         body = [shape(r, run) + [num(r["fp8_kv_paged_tflops"]), num(r["fp8_kv_ragged_tflops"]),
                             num(r["bf16_ragged_tflops"]), faster(r["fp8_kv_ragged_tflops"], r["bf16_ragged_tflops"]),
-                            num(r["rel_l2"], ".2e")] for r in rows]
-        lines += table(header, body, left=3)
+                            num(r["rel_l2"], ".2e")] + peer_cells(r) for r in rows]
+        lines += table(header, body, left=3) + notes(rows, label)
     rows = run.table("decode")
     if rows:
         d = c["decode"]
         lines += ["", f"Decode, batch {d['batch']} x kv {d['kv_len']}, {d['num_kv_heads']} kv heads, hd "
                   f"{d['head_dim']}, page {d['page_size']}: e4m3 KV against bf16 KV of the same values, by path "
-                  f"and GQA group; copy bandwidth {num(run['copy_bandwidth_gbps'], '.0f')} GB/s.", ""]
+                  f"and GQA group; copy bandwidth {num(run['copy_bandwidth_gbps'], '.0f')} GB/s."
+                  + peer_sentence(run, rows), ""]
+        peer_header, peer_cells = peer_columns(rows, [(f"{kv} KV", f"{kv}_us", f"flashinfer_{kv}_us")
+                                                      for kv in ("bf16", "fp8")], times=True)
         header = ["path", "GQA group", "bf16 KV (µs)", "% copy BW", "fp8 KV (µs)", "% copy BW", "fp8 speed-up",
-                  "rel L2 vs bf16"]
+                  "rel L2 vs bf16"] + peer_header
         body = [[r["path"], str(r["group"]), num(r["bf16_us"]), num(r["bf16_pct_copy_bw"]), num(r["fp8_us"]),
                  num(r["fp8_pct_copy_bw"]), faster(r["fp8_us"], r["bf16_us"], times=True), num(r["rel_l2"], ".2e")]
-                for r in rows]
-        lines += table(header, body)
+                + peer_cells(r) for r in rows]
+        lines += table(header, body) + notes(rows, lambda r: f"{r['path']} group {r['group']}")
     return lines if len(lines) > 1 else []
 
 

@@ -322,3 +322,84 @@ def test_a_record_missing_a_field_is_refused_in_one_line(tmp_path, capsys):
     assert report.main([str(path)]) == 2
     err = capsys.readouterr().err
     assert "copy_bandwidth_gbps" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# FlashInfer columns: rendered beside ours where a record has them (records from before have none)
+
+PEER = dict(version="0.7.4", note="", method="same process, same tensors, same plan()/run() arguments and timer")
+
+
+def with_peer() -> dict:
+    """RECORDS with FlashInfer's fields in every table that has them, one refused call per table."""
+    records = json.loads(json.dumps(RECORDS))
+    for name in ("decode", "prefill", "fp8"):
+        records[name]["config"]["flashinfer"] = PEER
+    d = records["decode"]["tables"]["decode"]
+    d[0].update(flashinfer_us=300.0, flashinfer_tc_us=200.0, flashinfer_max_abs_vs_ours=4e-3)
+    d[1].update(flashinfer_us=None, flashinfer_tc_us=25.0, flashinfer_max_abs_vs_ours=None,
+                notes="FlashInfer CUDA-core decode, bf16 KV n/a: RuntimeError: unsupported")
+    for r in records["prefill"]["tables"]["prefill"]:
+        r.update(flashinfer_paged_tflops=400.0, flashinfer_ragged_tflops=340.0, flashinfer_fa3_paged_tflops=None,
+                 flashinfer_fa3_ragged_tflops=500.0, flashinfer_rel_l2_vs_ours=2e-3)
+    for r in records["prefill"]["tables"]["tensor_core_decode"]:
+        r.update(flashinfer_cuda_cores_us=500.0, flashinfer_tensor_cores_fa2_us=250.0,
+                 flashinfer_tensor_cores_fa3_us=None, notes="FlashInfer tensor cores fa3 decode n/a: ValueError: no")
+    f = records["fp8"]["tables"]
+    f["fa3_prefill"][0].update(flashinfer_fp8_paged_tflops=720.0, flashinfer_fp8_ragged_tflops=800.0,
+                               flashinfer_rel_l2_vs_bf16=2.5e-2)
+    f["fa2_fp8_kv_prefill"][0].update(flashinfer_fp8_kv_paged_tflops=None, flashinfer_fp8_kv_ragged_tflops=256.0,
+                                      notes="FlashInfer fa2 e4m3 KV paged prefill hd 256 n/a: RuntimeError: x")
+    f["decode"][0].update(flashinfer_bf16_us=256.0, flashinfer_fp8_us=300.0, notes="")
+    return records
+
+
+def test_flashinfer_columns_and_ratios_render_beside_ours(tmp_path, capsys):
+    paths = []
+    for name, record in with_peer().items():
+        paths.append(tmp_path / f"bench-{name}.json")
+        paths[-1].write_text(json.dumps(record))
+    text = rendered(paths, capsys)
+
+    lines = section(text, "Decode")
+    assert columns(lines, "kv dtype")[-4:] == ["FlashInfer CUDA cores (µs)", "FlashInfer tensor cores (µs)",
+                                               "CUDA cores: ours / FlashInfer", "tensor cores: ours / FlashInfer"]
+    assert row(lines, "| bf16 | 64 |")[-4:] == ["300.0", "200.0", "1.20", "0.80"]
+    assert row(lines, "| bf16 | 1 |")[-4:] == ["n/a", "25.0", "n/a", "0.50"]
+    assert "- bf16 1 x 16384: FlashInfer CUDA-core decode, bf16 KV n/a: RuntimeError: unsupported" in lines
+    assert "FlashInfer 0.7.4: same process" in prose(lines) and "(its outputs within max abs 4.0e-03)" in prose(lines)
+    assert row(lines, "| 8 |")[-6:] == ["500.0", "250.0", "n/a", "0.25", "0.12", "n/a"]
+    assert "- GQA group 1: FlashInfer tensor cores fa3 decode n/a: ValueError: no" in lines
+
+    lines = section(text, "FA2 prefill")
+    assert columns(lines, "batch x len")[-4:] == ["FlashInfer paged (TFLOP/s)", "FlashInfer ragged (TFLOP/s)",
+                                                  "paged: ours / FlashInfer", "ragged: ours / FlashInfer"]
+    assert row(lines, "| 4 x 4096 | 128 (32/8) | no |")[-4:] == ["400.0", "340.0", "0.80", "1.00"]
+    lines = section(text, "FA3 prefill")
+    assert row(lines, "| 4 x 4096 | 128 (32/8) | no |")[-4:] == ["n/a", "500.0", "n/a", "1.20"]
+
+    lines = section(text, "FP8")
+    assert row(lines, "| 4 x 4096 | 256 (16/4) | yes |")[-4:] == ["720.0", "800.0", "1.25", "1.25"]
+    assert row(lines, "| 4 x 4096 | 256 (16/4) | no |")[-4:] == ["n/a", "256.0", "n/a", "1.25"]
+    assert "- 4 x 4096 hd 256: FlashInfer fa2 e4m3 KV paged prefill hd 256 n/a: RuntimeError: x" in lines
+    assert row(lines, "| tensor cores (fa2) |")[-4:] == ["256.0", "300.0", "0.95", "2.00"]
+
+
+def test_a_record_whose_peer_did_not_run_says_why(tmp_path, capsys):
+    record = json.loads(json.dumps(PREFILL))
+    record["config"]["flashinfer"] = dict(version=None, note="not run (--no-flashinfer)", method="")
+    for r in record["tables"]["prefill"]:
+        r.update(flashinfer_paged_tflops=None, flashinfer_ragged_tflops=None)
+    path = tmp_path / "bench-prefill.json"
+    path.write_text(json.dumps(record))
+    lines = section(rendered([path], capsys), "FA2 prefill")
+    assert "FlashInfer: not run (--no-flashinfer)." in prose(lines)
+    assert row(lines, "| 4 x 4096 | 128 (32/8) | no |")[-4:] == ["n/a"] * 4
+
+
+def test_records_from_before_the_peer_render_without_its_columns(files, capsys):
+    text = rendered(files.values(), capsys)
+    for title in ("Decode", "FA2 prefill", "FA3 prefill", "FP8"):
+        lines = section(text, title)
+        assert not any("FlashInfer" in line for line in lines if line.startswith("| "))
+        assert "FlashInfer 0.7.4:" not in prose(lines) and "FlashInfer: " not in prose(lines)

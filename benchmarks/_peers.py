@@ -1,0 +1,114 @@
+"""FlashInfer as a same-run peer of the prefill, decode and fp8 benchmarks.
+
+attnforge's wrappers take FlashInfer's calling conventions, so each benchmark builds its calls with one
+function that takes the library as an argument: the peer gets the same tensors, the same plan()/run()
+arguments and the same timer, in the same process. This module holds what is FlashInfer's alone:
+importing it (or saying why not), the first call of each of its modules before anything is timed
+(FlashInfer JIT-compiles a module on first use: tens of seconds each), and a peer call that raises
+(an unsupported combination, a failed build) turned into a table cell of n/a plus a note, never an
+error. A module that failed once is not tried again in the run: a JIT failure would recompile each time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+NO_FLASHINFER = "not run (--no-flashinfer)"
+
+
+def add_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-flashinfer", action="store_true",
+                        help="skip the FlashInfer peer (used when it is importable)")
+
+
+def flashinfer_or_reason():
+    """(the flashinfer module, "") when the peer imports, else (None, why)."""
+    try:
+        import flashinfer
+    except Exception as exc:  # a broken install is as absent as a missing one
+        return None, f"FlashInfer not importable ({type(exc).__name__}: {exc})"
+    return flashinfer, ""
+
+
+def reason(exc: BaseException) -> str:
+    """An exception as one short line of a table's notes."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:120] if lines else ''}".rstrip(": ")
+
+
+class Peer:
+    """FlashInfer in this process (`library`), or why not (`note`); remembers which of its calls failed.
+
+    A call is named by a key naming its module and path ("fa3 paged prefill hd 128"); `build(library)`
+    returns (run, out) for it, planned once, exactly as the benchmark builds attnforge's."""
+
+    def __init__(self, library=None, note: str = ""):
+        self.library, self.note = library, note
+        self.failed: dict[str, str] = {}  # key -> why its call raised
+
+    @classmethod
+    def from_args(cls, args) -> "Peer":
+        if getattr(args, "no_flashinfer", False):
+            return cls(None, NO_FLASHINFER)
+        return cls(*flashinfer_or_reason())
+
+    @property
+    def present(self) -> bool:
+        return self.library is not None
+
+    @property
+    def version(self) -> str | None:
+        return getattr(self.library, "__version__", "unknown") if self.present else None
+
+    def config(self) -> dict:
+        """What a record says about the peer: its version, or the note saying why it did not run."""
+        return dict(version=self.version, note=self.note,
+                    method="same process, same tensors, same plan()/run() arguments and timer as ours")
+
+    def warm(self, calls: dict) -> None:
+        """First call of every key -> build, before anything is timed; prints each and its time, as the
+        first call JIT-compiles the module (unless FlashInfer's cache holds it already)."""
+        if not self.present:
+            return
+        for key, build in calls.items():
+            if key in self.failed:
+                continue
+            print(f"FlashInfer: first call of {key} (compiles its module unless cached) ...", end=" ",
+                  file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            if self._first_run(key, build) is not None:
+                print(f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            else:
+                print(f"failed: {self.failed[key]}", file=sys.stderr, flush=True)
+
+    def _first_run(self, key: str, build):
+        """(run, out) after one run() and a synchronize, or None with the reason in self.failed."""
+        try:
+            run, out = build(self.library)
+            run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return run, out
+        except Exception as exc:  # the peer refusing is a result, not an error
+            self.failed[key] = reason(exc)
+            return None
+
+    def timed(self, key: str, build, timer, notes: list, check=None) -> float | None:
+        """timer(run) for the peer's call, or None with "FlashInfer KEY n/a: why" in notes. check(out),
+        when given, looks at the peer's output after its first run (it appends its own note)."""
+        if not self.present:
+            return None
+        call = None if key in self.failed else self._first_run(key, build)
+        try:
+            if call is not None:
+                if check is not None:
+                    check(call[1])
+                return timer(call[0])
+        except Exception as exc:
+            self.failed[key] = reason(exc)
+        notes.append(f"FlashInfer {key} n/a: {self.failed[key]}")
+        return None
