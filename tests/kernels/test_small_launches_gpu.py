@@ -99,6 +99,7 @@ class DecodeLaunch:
     group: int = 4
     q_len: int = 1  # tokens per request (multi-token decode)
     sinks: bool = False  # attention sinks: joined in the epilogue, and in the merge for the split request
+    pos_encoding_mode: str = "NONE"  # RoPE / ALiBi in the kernel (the query at position kv_len - 1)
 
 
 DECODES = {
@@ -114,6 +115,7 @@ DECODES = {
     "multi-token-fa2": DecodeLaunch(True, q_len=3),
     "multi-token-fa3": DecodeLaunch(True, "fa3", q_len=3),
     "cuda-cores-sinks": DecodeLaunch(False, sinks=True),
+    "cuda-cores-rope-page5": DecodeLaunch(False, page_size=5, pos_encoding_mode="ROPE_LLAMA"),
 }
 
 
@@ -132,7 +134,8 @@ def test_decode_launch(name):
     wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE),
                                                            use_tensor_cores=d.tensor_cores, backend=d.backend)
     wrapper.plan(kv.indptr, kv.ids, kv.last, qo_heads, kv_heads, d.head_dim, d.page_size, q_data_type=d.q_dtype,
-                 kv_data_type=d.kv_dtype, o_data_type=o_dtype, fixed_split_size=8, q_len_per_req=d.q_len)
+                 kv_data_type=d.kv_dtype, o_data_type=o_dtype, fixed_split_size=8, q_len_per_req=d.q_len,
+                 pos_encoding_mode=d.pos_encoding_mode)
     out, lse = poisoned(q.shape, o_dtype)
     scales = SCALES if fp8_kv else {}
     sinks = randn(gen, qo_heads) if d.sinks else None
@@ -140,7 +143,8 @@ def test_decode_launch(name):
     # the reference: causal prefill of each request's q_len tokens over its dequantized pages
     cache = tuple(dequantized(x, scales.get(name, 1.0)) for x, name in zip(kv.cache, ("k_scale", "v_scale")))
     o_ref, lse_ref = reference.batch_prefill_paged(q.float(), cache, indptr_of([d.q_len] * len(kv_lens)), kv.indptr,
-                                                   kv.ids, kv.last, causal=True, sinks=sinks)
+                                                   kv.ids, kv.last, causal=True, sinks=sinks,
+                                                   pos_encoding_mode=d.pos_encoding_mode)
     assert_close(out, lse, o_ref, lse_ref, d.kv_dtype if fp8_kv else d.q_dtype)
 
 
