@@ -14,8 +14,8 @@ import torch
 
 import attnforge
 from attnforge import reference
-from test_small_launches_gpu import (DEVICE, E4M3, REL_L2_TOL, SCALES, WORKSPACE, assert_close, dequantized,
-                                     paged_cache, poisoned, randn)
+from launch_helpers import (DEVICE, E4M3, REL_L2_TOL, SCALES, WORKSPACE, assert_close, dequantized, paged_cache,
+                            poisoned, randn)
 
 pytestmark = pytest.mark.gpu
 
