@@ -54,6 +54,7 @@ PLAN_OFFSETS = (
     ("off_work_end", "int32_t", "plan image offset of the work items' end kv token"),
     ("off_work_partial", "int32_t", "plan image offset of the work items' partial slot (-1: write o)"),
     ("off_partial_indptr", "int32_t", "plan image offset of the per-request partial slot ranges"),
+    ("off_kv_len", "int32_t", "plan image offset of kv_len[batch] (the query of request r sits at kv_len[r] - 1)"),
 )
 
 DECODE_PARAMS = _struct(
@@ -92,6 +93,8 @@ DECODE_PARAMS = _struct(
     ("enable_pdl", "int32_t", "1: programmatic dependent launch (sm90+): a kernel may start as the one before it ends"),
     ("score_scale", "float", "multiplies q.k: sm_scale*log2(e), or sm_scale/soft_cap with a soft cap"),
     ("post_scale", "float", "soft cap only: cap*log2(e), applied after tanh"),
+    ("rope_rcp_scale", "float", "RoPE: 1 / rope_scale"),
+    ("rope_rcp_theta", "float", "RoPE: 1 / rope_theta"),
 )
 
 DECODE_PLAN_ARGS = _struct(

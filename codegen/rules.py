@@ -206,12 +206,6 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.kind is Kind.DECODE and s.use_custom_mask,
     ),
     Rule(
-        "decode-no-pos-encoding",
-        "the decode kernel has no in-kernel positional encoding; pos_encoding is {s.pos_encoding.value}",
-        "apply RoPE to q and k before appending to the cache and use pos_encoding NONE",
-        lambda s: s.kind is Kind.DECODE and s.pos_encoding is not PosEncoding.NONE,
-    ),
-    Rule(
         "fa3-fp8-head-dims",
         "fa3 fp8 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}): fp8 rows must fill "
         "128-byte swizzle lines",
@@ -222,7 +216,9 @@ RULES: tuple[Rule, ...] = (
         "fa2-fp8-kv-no-rope",
         "fa2 prefill keeps an fp8 KV cache fp8 in shared memory and widens it in registers, so it cannot "
         "rotate K in the kernel; pos_encoding is {s.pos_encoding.value}",
-        "apply RoPE to k before quantizing it into the cache and use pos_encoding NONE, or a 16-bit KV cache",
+        "apply RoPE to k before quantizing it into the cache and use pos_encoding NONE, or a 16-bit KV cache; "
+        "to decode, use the CUDA-core decode kernel (kind decode, use_tensor_cores=False), which rotates fp8 K "
+        "in registers",
         lambda s: (s.kind is Kind.PREFILL and s.backend is Backend.FA2 and s.dtype_kv.is_fp8
                    and s.pos_encoding is PosEncoding.ROPE_LLAMA),
     ),

@@ -378,6 +378,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         params.tmp_v, params.tmp_s = workspace_ptr, workspace_ptr + v_bytes
         params.work_capacity = capacity if self._graph else info.num_work
         params.run_merge = int(self._graph or info.num_partials > 0)
+        params.rope_rcp_scale, params.rope_rcp_theta = 1.0 / knobs.rope_scale, 1.0 / knobs.rope_theta
         self._plan = _Plan(
             module=module, params=params, batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, dtype_q=dispatch.torch_dtype(knobs.dtype_q),

@@ -122,6 +122,8 @@ class DecodeKnobs:
     window_left: int
     soft_cap: float
     sm_scale: float
+    rope_scale: float  # RoPE: positions are divided by it
+    rope_theta: float  # RoPE: the frequencies' base
     dtype_q: DType
     dtype_kv: DType
     dtype_o: DType
@@ -141,5 +143,7 @@ def check_knobs(inputs: DecodePlanInputs) -> DecodeKnobs:
         window_left=checks.window_left(inputs.window_left),
         soft_cap=checks.soft_cap(inputs.logits_soft_cap),
         sm_scale=checks.positive_float(inputs.sm_scale, "sm_scale", 1.0 / math.sqrt(head_dim)),
+        rope_scale=checks.positive_float(inputs.rope_scale, "rope_scale", 1.0),
+        rope_theta=checks.positive_float(inputs.rope_theta, "rope_theta", 1e4),
         dtype_q=dtype_q, dtype_kv=dtype_kv, dtype_o=dtype_o, fixed_split_size=inputs.fixed_split_size,
         disable_split_kv=bool(inputs.disable_split_kv))

@@ -40,7 +40,8 @@ def work_capacity(batch_size: int, max_ctas: int, ctas_per_request: int) -> int:
 @dataclass(frozen=True)
 class PlanLayout:
     """Offsets (int32 elements) of the arrays in the plan image: the header, indptr[batch+1], four
-    work arrays of `capacity` entries (request, begin, end, partial slot), partial_indptr[batch+1]."""
+    work arrays of `capacity` entries (request, begin, end, partial slot), partial_indptr[batch+1],
+    kv_len[batch] (the position encodings place the query at kv_len - 1)."""
 
     batch_size: int
     capacity: int
@@ -49,14 +50,15 @@ class PlanLayout:
         out, cursor = {}, len(PLAN_HEADER)
         for name, length in (("indptr", self.batch_size + 1), ("work_request", self.capacity),
                              ("work_begin", self.capacity), ("work_end", self.capacity),
-                             ("work_partial", self.capacity), ("partial_indptr", self.batch_size + 1)):
+                             ("work_partial", self.capacity), ("partial_indptr", self.batch_size + 1),
+                             ("kv_len", self.batch_size)):
             out[f"off_{name}"] = cursor
             cursor += length
         return out
 
     @property
     def size(self) -> int:
-        return len(PLAN_HEADER) + 2 * (self.batch_size + 1) + 4 * self.capacity
+        return len(PLAN_HEADER) + 2 * (self.batch_size + 1) + self.batch_size + 4 * self.capacity
 
 
 def partial_bytes(num_partials: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
@@ -159,6 +161,7 @@ def plan_decode_oracle(
         image[off["off_work_partial"] + i] = slot
     image[off["off_indptr"] : off["off_indptr"] + batch + 1] = indptr[: batch + 1]
     image[off["off_partial_indptr"] : off["off_partial_indptr"] + batch + 1] = partial_indptr
+    image[off["off_kv_len"] : off["off_kv_len"] + batch] = [b + n for b, n in zip(begins, lengths)]
     image[PLAN_HEADER.index("num_work")] = num_work
     image[PLAN_HEADER.index("num_partials")] = partial_indptr[batch]
     max_chunks = max((max(1, -(-n // chunk)) for n in lengths), default=0)

@@ -302,8 +302,8 @@ def _attend_batch(q, qo_bounds: list[int], ks: list, vs: list, masks: list, opts
 
 
 def single_decode(q, k, v, *, kv_layout: str = "NHD", window_left: int = -1, logits_soft_cap=None, sm_scale=None,
-                  sinks=None):
-    """Decode one query against a contiguous cache.
+                  sinks=None, pos_encoding_mode="NONE", rope_scale=None, rope_theta=None):
+    """Decode one query against a contiguous cache; the query sits at position kv_len - 1 (RoPE, ALiBi).
 
     q [Hq, D]; k, v NHD [kv_len, Hkv, D] or HND [Hkv, kv_len, D]; sinks fp32 [Hq] or None.
     Returns (o [Hq, D] fp32, lse [Hq] fp32, base 2).
@@ -311,7 +311,8 @@ def single_decode(q, k, v, *, kv_layout: str = "NHD", window_left: int = -1, log
     if q.dim() != 2:
         raise ValueError(f"q: expected [num_qo_heads, head_dim], got shape {tuple(q.shape)}")
     k, v = _kv_nhd(k, v, kv_layout)
-    opts = _options(window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
+    opts = _options(window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                    pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta)
     o, lse = _attend(q[None], k, v, opts, sinks=_sinks(sinks, q.shape[0]))
     return o[0], lse[0]
 
@@ -328,8 +329,12 @@ def batch_decode_paged(
     logits_soft_cap=None,
     sm_scale=None,
     sinks=None,
+    pos_encoding_mode="NONE",
+    rope_scale=None,
+    rope_theta=None,
 ):
-    """Decode a batch against a paged cache (FlashInfer's BatchDecode semantics).
+    """Decode a batch against a paged cache (FlashInfer's BatchDecode semantics; each query sits at
+    position kv_len - 1 of its request for RoPE and ALiBi).
 
     q [B, Hq, D]; indptr [B + 1], indices [indptr[-1]], last_page_len [B] (any device); sinks fp32
     [Hq] or None (see the module doc).
@@ -343,7 +348,8 @@ def batch_decode_paged(
             f"batch of {batch_size} needs indptr [{batch_size + 1}] and last_page_len [{batch_size}], "
             f"got {tuple(indptr.shape)} and {tuple(last_page_len.shape)}"
         )
-    opts = _options(window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
+    opts = _options(window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                    pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta)
     k_pages, v_pages = _pages_nhd(paged_kv_cache, kv_layout)
     ks, vs = gather_dense_kv((k_pages, v_pages), indptr.cpu(), indices, last_page_len.cpu())
     # request i is a prefill of the one query row i

@@ -37,7 +37,6 @@ EXAMPLES = {
     "decode-is-fa2": dict(backend=Backend.FA3, archs=(Arch.SM90A,)),
     "decode-head-dims": dict(head_dim_qk=192, head_dim_vo=128),
     "decode-no-custom-mask": dict(use_custom_mask=True),
-    "decode-no-pos-encoding": dict(pos_encoding=PosEncoding.ALIBI),
     "fa3-fp8-head-dims": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64),
     "fa2-fp8-kv-no-rope": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3, pos_encoding=PosEncoding.ROPE_LLAMA),
 }
@@ -266,3 +265,46 @@ def test_fa3_fp8_head_dims_are_refused_by_its_own_rule_alone(decode_spec, dims):
         ensure_valid(spec)
     assert info.value.rule_ids == ["fa3-fp8-head-dims"]
     assert "128" in str(info.value) and "16-bit" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------
+# position encodings: the fa2 decode kernel takes RoPE and ALiBi (issue 38); the refusals left
+
+
+@pytest.mark.parametrize("dtype_kv", [DType.BF16, DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("pos_encoding", [PosEncoding.ROPE_LLAMA, PosEncoding.ALIBI])
+@pytest.mark.parametrize("head_dim", [64, 80, 112, 128, 256])
+def test_fa2_decode_takes_pos_encodings(decode_spec, dtype_kv, pos_encoding, head_dim):
+    spec = replace(decode_spec, dtype_kv=dtype_kv, pos_encoding=pos_encoding, head_dim_qk=head_dim,
+                   head_dim_vo=head_dim, use_logits_soft_cap=True, use_sliding_window=True)
+    assert check(spec) == []
+    assert "decode-no-pos-encoding" not in RULES_BY_ID
+
+
+def test_fa3_decode_with_rope_is_refused_once_with_the_fa2_alternative(decode_spec):
+    spec = replace(decode_spec, backend=Backend.FA3, archs=(Arch.SM90A,), pos_encoding=PosEncoding.ROPE_LLAMA)
+    assert [r.id for r in check(spec)] == ["decode-is-fa2"]
+    assert "use backend fa2 for kind decode" in str(_error(spec))
+
+
+def test_fa3_prefill_pos_encoding_refusal_names_reason_and_alternative(decode_spec):
+    spec = replace(decode_spec, **FA3, pos_encoding=PosEncoding.ALIBI)
+    message = str(_error(spec))
+    assert "[fa3-no-pos-encoding] fa3 kernels have no in-kernel positional encoding; pos_encoding is ALIBI" in message
+    assert "or backend fa2" in message
+
+
+def test_fa2_fp8_prefill_rope_refusal_points_at_the_decode_kernel(decode_spec):
+    spec = replace(decode_spec, kind=Kind.PREFILL, dtype_kv=DType.E4M3, pos_encoding=PosEncoding.ROPE_LLAMA)
+    assert [r.id for r in check(spec)] == ["fa2-fp8-kv-no-rope"]
+    message = str(_error(spec))
+    assert "cannot rotate K in the kernel; pos_encoding is ROPE_LLAMA" in message
+    assert "use_tensor_cores=False" in message and "16-bit KV cache" in message
+    # ALiBi needs no rotated K: fp8 prefill takes it.
+    assert check(replace(spec, pos_encoding=PosEncoding.ALIBI)) == []
+
+
+def _error(spec) -> UnsupportedSpecError:
+    with pytest.raises(UnsupportedSpecError) as info:
+        ensure_valid(spec)
+    return info.value

@@ -191,7 +191,12 @@ def test_decode_spec_refuses_fp8_output():
 def test_decode_spec_refuses_mixed_16bit_and_odd_head_dim():
     _refused("mixed-16bit-qkv", dtype_kv=DType.FP16)
     _refused("decode-head-dims", head_dim=144)
-    _refused("decode-no-pos-encoding", pos_encoding=PosEncoding.ROPE_LLAMA)
+
+
+
+def test_decode_spec_takes_pos_encodings():
+    for pos_encoding in (PosEncoding.ROPE_LLAMA, PosEncoding.ALIBI):
+        assert _decode_spec(pos_encoding=pos_encoding).pos_encoding is pos_encoding
 
 
 # ---------------------------------------------------------------------------------------

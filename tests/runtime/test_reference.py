@@ -181,3 +181,33 @@ def test_gather_dense_kv_reassembles_pages():
 def test_bad_layout_is_refused():
     with pytest.raises(ValueError, match="kv_layout"):
         reference.single_decode(torch.randn(2, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4), kv_layout="NDH")
+
+
+# ---------------------------------------------------------------------------------------
+# position encodings: decode is prefill of one query token per request, at position kv_len - 1
+
+
+@pytest.mark.parametrize("mode, knobs", [("ROPE_LLAMA", {}), ("ROPE_LLAMA", dict(rope_scale=2.5, rope_theta=5e5)),
+                                         ("ALIBI", {})])
+def test_decode_pos_encoding_equals_one_token_prefill(mode, knobs):
+    gen = torch.Generator().manual_seed(5)
+    page_size, kv_lens, heads, dim = 5, [7, 1, 13], (8, 2), 16
+    pages = [-(-n // page_size) for n in kv_lens]
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.randperm(sum(pages) + 1, generator=gen)[: sum(pages)].to(torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+    cache = tuple(torch.randn(sum(pages) + 1, page_size, heads[1], dim, generator=gen) for _ in range(2))
+    q = torch.randn(len(kv_lens), heads[0], dim, generator=gen)
+    o, lse = reference.batch_decode_paged(q, cache, indptr, indices, last, pos_encoding_mode=mode, **knobs)
+    qo_indptr = torch.arange(len(kv_lens) + 1, dtype=torch.int32)
+    o_pre, lse_pre = reference.batch_prefill_paged(q, cache, qo_indptr, indptr, indices, last, causal=True,
+                                                   pos_encoding_mode=mode, **knobs)
+    torch.testing.assert_close(o, o_pre)
+    torch.testing.assert_close(lse, lse_pre)
+    o_none, _ = reference.batch_decode_paged(q, cache, indptr, indices, last)
+    assert not torch.allclose(o[0], o_none[0], atol=1e-3), "the position encoding must change the output"
+    # single_decode agrees: request 2's keys, contiguous
+    k, v = (x[indices[indptr[2]:indptr[3]].long()].reshape(-1, heads[1], dim)[: kv_lens[2]] for x in cache)
+    o_single, lse_single = reference.single_decode(q[2], k, v, pos_encoding_mode=mode, **knobs)
+    torch.testing.assert_close(o_single, o[2])
+    torch.testing.assert_close(lse_single, lse[2])

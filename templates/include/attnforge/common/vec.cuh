@@ -145,6 +145,24 @@ __device__ __forceinline__ void load_float(const T* src, float (&out)[kN]) {
   }
 }
 
+// 8 consecutive elements starting at a multiple of 8, as fp32: half a 16-byte vector of an fp8
+// type. For RoPE, which pairs 8-element groups half a head dim apart.
+template <typename T>
+__device__ __forceinline__ void load_float8(const T* src, float (&out)[8]) {
+  if constexpr (Vec16<T>::kElems == 8) {
+    Vec16<T>::to_float(*reinterpret_cast<const uint4*>(src), out);
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(src);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t bits = Vec16<T>::pair_to_half2_bits(i < 2 ? raw.x : raw.y, i % 2);
+      const float2 f = __half22float2(*reinterpret_cast<const half2*>(&bits));
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+}
+
 template <typename T, int kN>
 __device__ __forceinline__ void store_float(T* dst, const float (&in)[kN]) {
   constexpr int kElems = Vec16<T>::kElems;

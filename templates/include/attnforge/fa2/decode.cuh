@@ -3,6 +3,7 @@
 //     decode_mma.cuh     the tensor-core tile (4-8 heads per CTA, rows of whole 128-byte lines)
 //     decode_traits.cuh  thread layout, tile choice, KV ring, reduce-scatter shape, smem layout
 //     decode_simt.cuh    the CUDA-core tile: dot products, reduce-scatter, softmax, P.V
+//     (pos_encoding.cuh  the position-encoding tags and ALiBi slopes, shared with prefill)
 //     decode_kernel.cuh  the kernel (ring, lane merge, stores), its launch and occupancy query
 //
 // Contract: including it defines everything a generated decode translation unit names
@@ -19,7 +20,10 @@
 #include "../common/async_copy.cuh"
 #include "../common/math.cuh"
 #include "../common/plan_image.cuh"
+#include "../common/rope.cuh"
 #include "../common/vec.cuh"
+
+#include "pos_encoding.cuh"
 
 #include "decode_mma.cuh"
 #include "decode_traits.cuh"

@@ -19,6 +19,8 @@
 //   not (the merge joins it). An empty range writes o = 0, lse = -inf (before the sink). A page id
 //   outside [0, num_pages) never reaches memory: the CTA reads page 0 instead, writes NaN, and
 //   raises the plan's error word.
+//   Position encodings (decode_simt.cuh) run on the CUDA-core tile; the query's position comes from
+//   the plan's kv_len[request].
 //   PDL (common/pdl.cuh): every thread waits before the first plan read; the kv loop's end lets the
 //   next kernel launch.
 //
@@ -38,6 +40,7 @@
 #include "decode_traits.cuh"
 #include "decode_simt.cuh"
 #include "decode_mma.cuh"
+#include "pos_encoding.cuh"
 
 namespace attnforge::fa2 {
 
@@ -168,13 +171,22 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     share_mma_state<T>(lane_state, smem.lanes, warp, lane);
   } else {
     const ScoreOwner owner = score_owner<T>(tx);
+    DecodePositions at{};
+    if constexpr (T::kPosEncoding != kPosNone) {
+      at = {begin, plan[p.off_kv_len + request] - 1, 0.f, p.rope_rcp_scale, p.rope_rcp_theta};
+      if constexpr (T::kPosEncoding == kPosAlibi) {
+        const int qo_head = kv_head * p.group_size + min(first_slot + owner.head, p.group_size - 1);
+        // Bias in score units: base 2, and divided by the cap when a soft cap follows.
+        at.alibi = alibi_slope(qo_head, p.num_qo_heads) * (T::kSoftCap ? common::kLog2e / p.post_scale : common::kLog2e);
+      }
+    }
     typename T::Query q;  // slot h: head h ^ owner.head (see ScoreOwner)
     if constexpr (T::kPackedMath) {
       float qf[H][T::kVec];
-      load_query<T>(p, request, kv_head, first_slot, owner, tx, qf);
+      load_query<T>(p, request, kv_head, first_slot, owner, at, tx, qf);
       pack_query<T>(qf, p.score_scale, q);
     } else {
-      load_query<T>(p, request, kv_head, first_slot, owner, tx, q);
+      load_query<T>(p, request, kv_head, first_slot, owner, at, tx, q);
 #pragma unroll
       for (int h = 0; h < H; ++h) {
 #pragma unroll
@@ -184,8 +196,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     float o[H][T::kVec] = {};
     OwnedHead own;
     run_tiles([&](int stage, int valid_rows) {
-      decode_tile<T>(smem.ring.k[stage], smem.ring.v[stage], q, owner, valid_rows, p.post_scale, smem.rows[tz][ty],
+      decode_tile<T>(smem.ring.k[stage], smem.ring.v[stage], q, owner, at, valid_rows, p.post_scale, smem.rows[tz][ty],
                      own, o);
+      at.tile_first += T::kTileTokens;
     });
     // Gather every head's (m, d) into each lane: a head's lanes already share its max; its
     // denominator is split over them.

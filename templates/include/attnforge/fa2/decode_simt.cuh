@@ -15,6 +15,11 @@
 //     by q.unscale).
 //   - An fp8 cache is converted on load to fp16 (exact); with a bf16 output it is multiplied in
 //     packed half2 (PackedQuery), else in fp32.
+//   - Position encodings (kPosEncoding, FlashInfer's semantics; the query sits at position
+//     kv_len - 1 of its request, key row j at j): RoPE rotates q once as it is loaded and each K
+//     cell as a lane reads it from the ring, in fp32 by common::rope_rotate, the 8-element group
+//     half a head dim away read from the same row; ALiBi adds slope * (j - query) to each finished
+//     score, before the soft cap, in the scores' units.
 //
 // Must not: copy KV tiles, synchronize beyond the warp, or store results: the kernel owns the ring,
 //   the lane merge and the stores.
@@ -23,9 +28,11 @@
 #include <cstdint>
 
 #include "../common/math.cuh"
+#include "../common/rope.cuh"
 #include "../common/vec.cuh"
 
 #include "decode_traits.cuh"
+#include "pos_encoding.cuh"
 
 namespace attnforge::fa2 {
 
@@ -64,6 +71,40 @@ __device__ __forceinline__ ScoreOwner score_owner(int tx) {
   return {own / T::kTokensPerLane, own % T::kTokensPerLane};
 }
 
+// Where a KV tile sits in its request, for the position encodings (unused without one).
+struct DecodePositions {
+  int tile_first;  // request position of the tile's row 0
+  int query;       // the query's position: kv_len - 1
+  float alibi;     // ALiBi: the owned head's slope in score units (base 2, over the cap with a soft cap)
+  float rope_rcp_scale, rope_rcp_theta;
+};
+
+// RoPE of this lane's kVec columns x = row[first, first + kVec) at position pos: each 8-element
+// group rotates with the group half a head dim away, read (fp32) from the same row. A padding
+// lane (first >= kHeadDim) is left as it is: its q is zero.
+template <typename T, typename E>
+__device__ __forceinline__ void rope_cell(const E* row, int first, int pos, const DecodePositions& at,
+                                          float (&x)[T::kVec]) {
+  constexpr int kHalf = T::kHeadDim / 2;
+  if (first >= T::kHeadDim) return;
+#pragma unroll
+  for (int g = 0; g < T::kVec / 8; ++g) {
+    const int a = first + 8 * g;
+    const bool low = a < kHalf;
+    float mine[8], other[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) mine[e] = x[8 * g + e];
+    common::load_float8(row + (low ? a + kHalf : a - kHalf), other);
+    if (low) {
+      common::rope_rotate<T::kHeadDim>(mine, other, pos, a, at.rope_rcp_scale, at.rope_rcp_theta);
+    } else {
+      common::rope_rotate<T::kHeadDim>(other, mine, pos, a - kHalf, at.rope_rcp_scale, at.rope_rcp_theta);
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[8 * g + e] = mine[e];
+  }
+}
+
 // This lane's share of the online softmax outside P.V: running max and the partial denominator
 // (over the tokens this lane finished) of its owned head; reduced over kHeadLanes at the end.
 struct OwnedHead {
@@ -95,7 +136,7 @@ __device__ __forceinline__ void reduce_scatter_packed(half2 (&dots)[kValues], fl
 // o holds the heads in natural order. probs is this lane group's shared buffer.
 template <typename T>
 __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, const typename T::DTypeKV* v_tile,
-                                            const typename T::Query& q, ScoreOwner owner,
+                                            const typename T::Query& q, ScoreOwner owner, const DecodePositions& at,
                                             int valid_rows, float post_scale, typename T::LaneGroupRows& rows,
                                             OwnedHead& own, float (&o)[T::kHeadsPerThread][T::kVec]) {
   using Vec = common::Vec16<typename T::DTypeKV>;
@@ -124,6 +165,10 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
     } else {
       float kf[T::kVec];
       Vec::to_float(k_raw, kf);
+      if constexpr (T::kRope) {
+        const int row = (j ^ owner.token) * T::kBdz + tz;
+        rope_cell<T>(k_tile + row * T::kRowDim, tx * T::kVec, at.tile_first + row, at, kf);
+      }
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         float dot = 0.f;
@@ -143,9 +188,11 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
 #pragma unroll
   for (int i = 0; i < T::kScoresPerLane; ++i) {
     float score = s[i];
+    const int row = (owner.token + i) * T::kBdz + tz;
     if constexpr (T::kPackedMath) score *= q.unscale;
+    if constexpr (T::kPosEncoding == kPosAlibi) score += at.alibi * float(at.tile_first + row - at.query);
     if constexpr (T::kSoftCap) score = post_scale * common::fast_tanh(score);
-    s[i] = (owner.token + i) * T::kBdz + tz < valid_rows ? score : common::kNegInf;
+    s[i] = row < valid_rows ? score : common::kNegInf;
     tile_max = fmaxf(tile_max, s[i]);
   }
   tile_max = common::lane_group_max<T::kHeadLanes, T::kReplicas>(tile_max);
@@ -222,16 +269,18 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
 }
 
 // This thread's kVec columns of q, slot h holding head h ^ owner.head of the group (zeros on a
-// padding lane, tx >= kCells).
+// padding lane, tx >= kCells); with RoPE rotated at the query's position.
 template <typename T>
 __device__ __forceinline__ void load_query(const typename T::Params& p, int request, int kv_head, int first_slot,
-                                           ScoreOwner owner, int tx, float (&q)[T::kHeadsPerThread][T::kVec]) {
+                                           ScoreOwner owner, const DecodePositions& at, int tx,
+                                           float (&q)[T::kHeadsPerThread][T::kVec]) {
 #pragma unroll
   for (int h = 0; h < T::kHeadsPerThread; ++h) {
     const int qo_head = kv_head * p.group_size + min(first_slot + (h ^ owner.head), p.group_size - 1);
     const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
     if (tx < T::kCells) {
       common::load_float(q_row + tx * T::kVec, q[h]);
+      if constexpr (T::kRope) rope_cell<T>(q_row, tx * T::kVec, at.query, at, q[h]);
     } else {
 #pragma unroll
       for (int e = 0; e < T::kVec; ++e) q[h][e] = 0.f;  // a padding lane: adds 0 to every score

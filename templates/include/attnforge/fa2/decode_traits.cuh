@@ -20,6 +20,8 @@
 #include "../common/swizzle.cuh"
 #include "../common/vec.cuh"
 
+#include "pos_encoding.cuh"
+
 namespace attnforge::fa2 {
 
 // The largest power of two <= x (x > 0), for compile-time fp16 range bounds.
@@ -43,7 +45,7 @@ struct PackedQuery {
 };
 
 template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDim_,
-          int kHeadsPerCta_, bool kSoftCap_>
+          int kHeadsPerCta_, bool kSoftCap_, int kPosEncoding_>
 struct DecodeTraits {
   using Params = Params_;
   using DTypeQ = DTypeQ_;
@@ -52,6 +54,8 @@ struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadsPerCta = kHeadsPerCta_;
   static constexpr bool kSoftCap = kSoftCap_;
+  static constexpr int kPosEncoding = kPosEncoding_;  // PosEncoding (pos_encoding.cuh)
+  static constexpr bool kRope = kPosEncoding == kPosRopeLlama;
 
   static constexpr int kVec = 16 / sizeof(DTypeKV);  // KV elements per 16-byte load
   // The tile-size choice for the head dim: a row's kCells 16-byte cells span kBdx lanes, the next
@@ -84,9 +88,11 @@ struct DecodeTraits {
   // against 316 here), which the MMAs remove. fp8 hd 64 (64-byte rows) keeps the CUDA-core tile,
   // and so does 16-bit hd 256, whose 64-token ring (192 KB) would leave one CTA per SM.
   static constexpr int kWarps = kThreads / 32;
-  // Padded rows keep the CUDA-core tile: the MMA tile's chunks read whole rows of the ring.
-  static constexpr bool kMmaTile =
-      kHeadsPerCta >= 4 && !kPaddedRow && kBdx % 8 == 0 && (kHeadDim <= 128 || sizeof(DTypeKV) == 1);
+  // Padded rows keep the CUDA-core tile: the MMA tile's chunks read whole rows of the ring. So does
+  // a position encoding: the CUDA-core tile rotates each K cell (RoPE) and biases each finished
+  // score (ALiBi) where it holds them in registers, which the MMA fragments would scatter.
+  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && !kPaddedRow && kBdx % 8 == 0 &&
+                                   (kHeadDim <= 128 || sizeof(DTypeKV) == 1) && kPosEncoding == kPosNone;
   static constexpr int kMmaChunks = kHeadDim / 16;
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
   // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM, which
@@ -108,7 +114,9 @@ struct DecodeTraits {
   // Their rounding (~2^-11 relative per partial sum, ~1e-3 in o and the scores) sits under a bf16
   // output's 2^-9 but not under an fp16 one's 2^-12: an fp16 output keeps the fp32 math (half2
   // math fails the fp16 reference tolerance of 5e-3).
-  static constexpr bool kPackedMath = sizeof(DTypeKV) == 1 && std::is_same_v<DTypeO, __nv_bfloat16>;
+  // RoPE keeps the fp32 math: a rotated fp8 key is no longer exact in fp16, and up to sqrt(2) x
+  // kMaxKv, past the bound kQueryBound assumes.
+  static constexpr bool kPackedMath = sizeof(DTypeKV) == 1 && std::is_same_v<DTypeO, __nv_bfloat16> && !kRope;
   using Query = std::conditional_t<kPackedMath, PackedQuery<kHeadsPerThread, kVec>, float[kHeadsPerThread][kVec]>;
   static constexpr float kMaxKv = [] {
     if constexpr (kPackedMath) return common::Vec16<DTypeKV>::kMaxFinite;
@@ -118,6 +126,8 @@ struct DecodeTraits {
   static constexpr float kProbScale =
       kHalfMax >= kTokensPerLane * kMaxKv ? 1.f : pow2_at_most(kHalfMax / (kTokensPerLane * kMaxKv));
 
+  static_assert(!kRope || kHeadDim % 16 == 0,
+                "decode RoPE: each half of the head dim must be whole 8-element groups (rule head-dims-multiple-of-16)");
   static_assert(kHeadDim % kVec == 0 && kBdx <= 32,
                 "decode-head-dims: a KV row must be whole 16-byte cells on at most 32 lanes (rule decode-head-dims)");
   static_assert(kHeadsPerCta % kHeadsPerThread == 0, "decode heads: head groups must tile the CTA's heads");

@@ -1,7 +1,7 @@
 // Role: what one thread of the FA2 prefill kernel knows about its rows: the CTA's row range
 //   (PrefillRows), the online-softmax state of its fragment rows (PrefillState), the map from an
 //   mma C-fragment element to its row and column (frag_row_half, frag_col, o_col, o_pair_first),
-//   and each query head's ALiBi slope.
+//   (the ALiBi slope is fa2/pos_encoding.cuh's alibi_slope).
 //
 // Contract:
 //   - Packed rows: a request's packed row p is token p / group_size, query head p % group_size of
@@ -75,12 +75,5 @@ __device__ __forceinline__ int o_pair_first(int rr, int pair) {
 }
 template <typename T>
 constexpr int kOPairStep = T::kFp8KV ? 4 : 1;
-
-// ALiBi slope of query head h (FlashInfer get_alibi_slopes): 2^(-8(h+1)/n) for the first n = 2^floor(log2 Hq)
-// heads, then the odd multiples 2^(-4(2(h-n)+1)/n).
-__device__ __forceinline__ float alibi_slope(int head, int num_heads) {
-  const int n = 1 << (31 - __clz(num_heads));
-  return head < n ? exp2f(-8.f * float(head + 1) / float(n)) : exp2f(-4.f * float(2 * (head - n) + 1) / float(n));
-}
 
 }  // namespace attnforge::fa2

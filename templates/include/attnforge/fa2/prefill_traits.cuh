@@ -1,6 +1,6 @@
 // Role: the FA2 prefill kernel's compile-time configuration (PrefillTraits): dtypes, the tile shape
 //   (kCtaTileQ packed q rows by kTileKV keys), the warp split, the copy geometry and the
-//   shared-memory layout; and the position-encoding tags (PosEncoding).
+//   shared-memory layout (the position-encoding tags are fa2/pos_encoding.cuh's).
 //
 // Contract:
 //   - Every size the prefill headers use is chosen here, beside the reason for it; the other
@@ -22,9 +22,9 @@
 
 #include "../common/swizzle.cuh"
 
-namespace attnforge::fa2 {
+#include "pos_encoding.cuh"
 
-enum PosEncoding : int { kPosNone = 0, kPosRopeLlama = 1, kPosAlibi = 2 };
+namespace attnforge::fa2 {
 
 template <typename Params_, typename DTypeQ_, typename DTypeKV_, typename DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
           int kCtaTileQ_, bool kPagedKV_, bool kSoftCap_, bool kSlidingWindow_, bool kCustomMask_, int kPosEncoding_>

@@ -105,6 +105,7 @@ int32_t plan_decode(const Args& a, Info* info) {
     image[a.off_work_partial + i] = w_partial[w];
   }
   for (int r = 0; r <= batch; ++r) image[a.off_indptr + r] = indptr[r];
+  for (int r = 0; r < batch; ++r) image[a.off_kv_len + r] = range_begin[r] + range_len[r];
   image[common::kPlanNumWork] = static_cast<int32_t>(num_work);
   image[common::kPlanError] = 0;
   image[common::kPlanNumPartials] = partial_indptr[batch];
