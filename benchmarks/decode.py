@@ -1,7 +1,7 @@
 """Batch decode benchmark: attnforge vs the copy bandwidth and torch SDPA, same run.
 
     python -m attnforge.benchmarks.decode [--batch 1 16 64 256] [--kv-len 1024 4096 16384]
-        [--kv-dtype bf16 e4m3 e5m2] [--no-pdl] [--pdl-runs 32] [--out F.json]
+        [--kv-dtype bf16 e4m3 e5m2] [--no-pdl] [--pdl-runs 32] [--no-tensor-cores] [--out F.json]
 
 Shape (the acceptance config): bf16 q, 32 query / 8 kv heads, head_dim 128, page size 16,
 every request of the batch kv_len tokens long, pages scattered over the pool at random. The KV
@@ -15,6 +15,10 @@ a 512 MB buffer between calls, outside the timed region). GB/s counts the bytes 
 must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy bandwidth is a ~4 GB device-to-device tensor copy
 in the same process, counting read + write bytes. The SDPA peers get a dense bf16
 [B, Hkv, L, D] cache holding the same contents as the paged one; they run on the bf16 rows only.
+
+Tensor-core decode (skipped with --no-tensor-cores): batch 1 x 16384 on use_tensor_cores=True, ours and
+FlashInfer's when it imports (same problem, same timer), beside the copy-bandwidth-bound time, the
+bytes moved over the copy bandwidth.
 
 PDL (programmatic dependent launch, skipped with --no-pdl): CUDA graphs of --pdl-runs back-to-back
 run() calls with enable_pdl False vs True, µs per run and the speed-up; decode at batch 64 x kv 1024
@@ -47,6 +51,9 @@ PLAN_KV_LEN = 4096
 PLAN_CALLS = 200
 OVERHEAD_KV_LEN = 1024
 OVERHEAD_WORKSPACE = 128 << 20
+# Tensor-core decode (use_tensor_cores=True: the fa2 prefill kernel) beside FlashInfer's and the
+# copy-bandwidth-bound time: issue 40 asks batch 1 x 16384 within 5% of that bound.
+TENSOR_CORE_SHAPES = ((1, 16384),)
 
 
 def parse_args(argv):
@@ -63,6 +70,8 @@ def parse_args(argv):
     p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")
     p.add_argument("--no-overhead", action="store_true", help="skip the run() host-overhead measurement")
     p.add_argument("--no-pdl", action="store_true", help="skip the PDL (programmatic dependent launch) case")
+    p.add_argument("--no-tensor-cores", action="store_true",
+                   help="skip the tensor-core decode rows (" + ", ".join(f"{b} x {n}" for b, n in TENSOR_CORE_SHAPES) + ")")
     p.add_argument("--pdl-runs", type=int, default=_pdl.RUNS,
                    help=f"back-to-back runs per CUDA graph in the PDL case (default {_pdl.RUNS})")
     _record.add_out_option(p)
@@ -271,6 +280,54 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
     )
 
 
+@dataclass
+class TensorCoreRow:
+    batch: int
+    kv_len: int
+    us: float
+    bound_us: float  # bytes_moved / copy bandwidth: the time a split that fills the machine approaches
+    flashinfer_us: float | None
+    notes: str = ""
+
+    @property
+    def pct_of_bound(self) -> float:
+        return 100.0 * self.bound_us / self.us
+
+
+def tensor_core_rows(args, copy_gbps: float, flush) -> list[TensorCoreRow]:
+    """Tensor-core decode, ours and FlashInfer's (same problem, same timer), at TENSOR_CORE_SHAPES."""
+    import attnforge
+
+    flashinfer, note = flashinfer_or_reason()
+    rows = []
+    for batch, kv_len in TENSOR_CORE_SHAPES:
+        problem = make_problem(batch, kv_len, args.layout)
+        workspace = torch.empty(OVERHEAD_WORKSPACE, dtype=torch.uint8, device="cuda")
+        run, _ = decode_call(attnforge, problem, args.layout, workspace, tensor_cores=True)
+        us = time_cuda_us(run, args.iters, args.warmup, flush)
+        flash_us = None
+        if flashinfer is not None:
+            peer_workspace = torch.empty(OVERHEAD_WORKSPACE, dtype=torch.uint8, device="cuda")
+            peer_run, _ = decode_call(flashinfer, problem, args.layout, peer_workspace, tensor_cores=True)
+            flash_us = time_cuda_us(peer_run, args.iters, args.warmup, flush)
+        rows.append(TensorCoreRow(batch, kv_len, us, problem.bytes_moved / (copy_gbps * 1e3), flash_us, note))
+        del problem
+        torch.cuda.empty_cache()
+    return rows
+
+
+def tensor_core_markdown(rows: list[TensorCoreRow]) -> list[str]:
+    lines = ["", "tensor-core decode (use_tensor_cores=True) vs FlashInfer's and the copy-bandwidth-bound time "
+             "(bytes moved / copy GB/s)", "",
+             "| batch | kv len | ours (µs) | FlashInfer (µs) | ours / FlashInfer (speed) | bound (µs) | bound / ours (%) "
+             "| notes |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        speed = r.flashinfer_us / r.us if r.flashinfer_us else None
+        lines.append(f"| {r.batch} | {r.kv_len} | {r.us:.1f} | {_fmt(r.flashinfer_us)} | {_fmt(speed, '.3f')} | "
+                     f"{r.bound_us:.1f} | {r.pct_of_bound:.1f} | {r.notes} |")
+    return lines
+
+
 def plan_host_us(batch: int, layout: str, calls: int = PLAN_CALLS) -> float:
     """Median host time of one plan() call at kv_len 4096 (after warm-up)."""
     import attnforge
@@ -377,11 +434,14 @@ def main(argv=None) -> int:
         if r.kv_dtype != "bf16" and (r.batch, r.kv_len) in bf16_us:
             r.speedup_vs_bf16_kv = bf16_us[(r.batch, r.kv_len)] / r.us
     plans = {} if args.no_plan else {b: plan_host_us(b, args.layout) for b in PLAN_BATCHES}
+    tensor_cores = [] if args.no_tensor_cores else tensor_core_rows(args, copy_gbps, flush)
     pdl = [] if args.no_pdl else _pdl.decode_rows(args) + _pdl.prefill_rows(args)
 
     overhead, overhead_note = ([], "") if args.no_overhead else overhead_rows(args.layout)
 
     print(markdown(rows, copy_gbps, plans, first_call_s))
+    if tensor_cores:
+        print("\n".join(tensor_core_markdown(tensor_cores)))
     if overhead:
         print("\n".join(overhead_markdown(overhead, overhead_note)))
     if pdl:
@@ -391,6 +451,7 @@ def main(argv=None) -> int:
             decode=[asdict(r) for r in rows],
             plan=[dict(batch=b, kv_len=PLAN_KV_LEN, calls=PLAN_CALLS, us=us) for b, us in plans.items()],
             check=checks, overhead=overhead,
+            tensor_cores=[dict(asdict(r), pct_of_bound=r.pct_of_bound) for r in tensor_cores],
             pdl=[asdict(r) for r in pdl],
         ), copy_bandwidth_gbps=copy_gbps, first_plan_run_s=first_call_s, overhead_note=overhead_note)
     return 0
