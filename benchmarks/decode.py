@@ -15,6 +15,8 @@ a 512 MB buffer between calls, outside the timed region). GB/s counts the bytes 
 must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy bandwidth is a ~4 GB device-to-device tensor copy
 in the same process, counting read + write bytes. The SDPA peers get a dense bf16
 [B, Hkv, L, D] cache holding the same contents as the paged one; they run on the bf16 rows only.
+Every row times ours on CUDA cores and on tensor cores (use_tensor_cores=True, the prefill kernel:
+issue 40 asks batch 1 x 16384 within 5% of the copy-bandwidth bound there), same problem and timer.
 FlashInfer (when importable; --no-flashinfer skips it) runs every row on its CUDA cores and its tensor
 cores, through the same decode_call() as ours: the same paged cache, plan() and run() arguments and
 timer, its output checked against ours. It is imported and timed after all of ours (importing it slows
@@ -54,7 +56,7 @@ PLAN_KV_LEN = 4096
 PLAN_CALLS = 200
 OVERHEAD_KV_LEN = 1024
 OVERHEAD_WORKSPACE = 128 << 20
-# FlashInfer's float workspace: its tensor-core path sizes split-KV partials by batch x heads x tile
+# The tensor-core paths' float workspace (ours and FlashInfer's): split-KV partials by batch x heads x tile
 PEER_WORKSPACE = 512 << 20
 # FlashInfer's decode paths beside ours: (column suffix, use_tensor_cores)
 PEER_PATHS = (("", False), ("_tc", True))
@@ -146,13 +148,15 @@ def make_problem(batch: int, kv_len: int, layout: str, kv_dtype: torch.dtype = D
 # the contenders
 
 
-def attnforge_decode(problem: Problem, layout: str):
+def attnforge_decode(problem: Problem, layout: str, tensor_cores: bool = False):
     """Plans once and returns (run, out): run() is what gets timed."""
     import attnforge
 
     batch = problem.q.shape[0]
-    ws_bytes = attnforge.decode_workspace_size(batch, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, device=problem.q.device)
-    return decode_call(attnforge, problem, layout, torch.empty(ws_bytes, dtype=torch.uint8, device="cuda"))
+    ws_bytes = (PEER_WORKSPACE if tensor_cores else
+                attnforge.decode_workspace_size(batch, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, device=problem.q.device))
+    return decode_call(attnforge, problem, layout, torch.empty(ws_bytes, dtype=torch.uint8, device="cuda"),
+                       tensor_cores)
 
 
 def decode_call(library, problem: Problem, layout: str, workspace: torch.Tensor, tensor_cores: bool = False,
@@ -225,6 +229,8 @@ class Row:
     cudnn_us: float | None
     flash_us: float | None
     ratio_vs_cudnn: float | None  # time, ours / cuDNN's
+    tc_us: float | None = None  # ours on use_tensor_cores=True (the prefill kernel), same problem and timer
+    tc_pct_copy_bw: float | None = None
     speedup_vs_bf16_kv: float | None = None
     notes: str = ""
     cudnn_max_abs_vs_ours: float | None = None  # the peer's output against ours, same contents
@@ -260,6 +266,8 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
     run, out = attnforge_decode(problem, args.layout)
     us = time_cuda_us(run, args.iters, args.warmup, flush)
     gbps = problem.bytes_moved / (us * 1e3)
+    tc_run, _ = attnforge_decode(problem, args.layout, tensor_cores=True)
+    tc_us = time_cuda_us(tc_run, args.iters, args.warmup, flush)
     peers, errors, notes = {}, {}, []
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         peers[name] = errors[name] = None
@@ -278,7 +286,8 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
     torch.cuda.empty_cache()
     return Row(
         kv_name, batch, kv_len, us, gbps, 100.0 * gbps / copy_gbps, peers["cudnn"], peers["flash"],
-        us / peers["cudnn"] if peers["cudnn"] else None, notes="; ".join(notes),
+        us / peers["cudnn"] if peers["cudnn"] else None, tc_us, 100.0 * problem.bytes_moved / (tc_us * 1e3) / copy_gbps,
+        notes="; ".join(notes),
         cudnn_max_abs_vs_ours=errors["cudnn"], flash_max_abs_vs_ours=errors["flash"],
     )
 

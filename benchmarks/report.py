@@ -174,11 +174,14 @@ def decode_table(run: Run) -> list[str]:
              + (f". Checked against attnforge.reference before timing ({checks})" if checks else "") + "."
              + peer_sentence(run, rows, "flashinfer_max_abs_vs_ours", "max abs"), ""]
     peer_header, peer_cells = peer_columns(rows, [("CUDA cores", "us", "flashinfer_us"),
-                                                  ("tensor cores", "us", "flashinfer_tc_us")], times=True)
-    header = ["kv dtype", "batch", "kv len", "ours (µs)", "GB/s", "% copy BW", "SDPA cuDNN (µs)", "SDPA FLASH (µs)",
+                                                  ("tensor cores", "tc_us", "flashinfer_tc_us")], times=True)
+    tc = any(r.get("tc_us") is not None for r in rows)
+    header = ["kv dtype", "batch", "kv len", "ours (µs)", "GB/s", "% copy BW"] + [
+        "ours tensor cores (µs)", "tensor cores % copy BW"] * tc + ["SDPA cuDNN (µs)", "SDPA FLASH (µs)",
               "speed-up vs cuDNN", "speed-up vs FLASH"] + ["speed-up vs bf16 KV"] * fp8_rows + peer_header
     body = [[r["kv_dtype"], str(r["batch"]), str(r["kv_len"]), num(r["us"]), num(r["gbps"], ".0f"),
-             num(r["pct_copy_bw"]), num(r["cudnn_us"]), num(r["flash_us"]),
+             num(r["pct_copy_bw"])] + [num(r.get("tc_us")), num(r.get("tc_pct_copy_bw"))] * tc + [
+             num(r["cudnn_us"]), num(r["flash_us"]),
              faster(r["us"], r["cudnn_us"], ".3f", times=True), faster(r["us"], r["flash_us"], ".3f", times=True)]
             + [num(r["speedup_vs_bf16_kv"], ".2f")] * fp8_rows + peer_cells(r) for r in rows]
     lines += table(header, body) + notes(rows, lambda r: f"{r['kv_dtype']} {r['batch']} x {r['kv_len']}")

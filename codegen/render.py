@@ -18,6 +18,7 @@ import jinja2
 
 from . import abi
 from .fa3_units import INSTANCES, Instance, fa3_cta_tile, fa3_extended_wgmma, fa3_instances, fa3_kv_tile
+from .kv_tiles import decode_kv_tile, prefill_kv_tile
 from .rules import ensure_valid
 from .sources import source_hash, templates_dir
 from .spec import Backend, KernelSpec, Kind, PosEncoding
@@ -73,7 +74,8 @@ def module_layout(spec: KernelSpec) -> ModuleLayout:
                 ("decode_occupancy", "[ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)]", "ctypes.c_int32"),
                 ("decode_run", "[ctypes.POINTER(DecodeParams), ctypes.c_void_p]", "ctypes.c_int32"),
             ),
-            variants=tuple(Variant(f"decode_h{h}", "decode_variant.cu.jinja", (("heads", h),))
+            variants=tuple(Variant(f"decode_h{h}", "decode_variant.cu.jinja",
+                                   (("heads", h), ("kv_tile", decode_kv_tile(spec, h))))
                            for h in DECODE_HEADS_PER_CTA),
         )
     return ModuleLayout(
@@ -95,7 +97,7 @@ def prefill_variant(spec: KernelSpec, tile: int, paged: bool) -> Variant:
     name = f"prefill_q{tile}_{'paged' if paged else 'ragged'}"
     context = (("tile", tile), ("paged", paged))
     if spec.backend is Backend.FA2:
-        return Variant(name, "prefill_variant.cu.jinja", context)
+        return Variant(name, "prefill_variant.cu.jinja", context + (("kv_tile", prefill_kv_tile(spec, tile, paged)),))
     instances = fa3_instances(spec, paged)
     context += (("kv_tile", fa3_kv_tile(spec, paged)), ("extended_wgmma", fa3_extended_wgmma(spec, paged)),
                 ("instance_flags", tuple((instance.flag, instance in instances) for instance in INSTANCES)))

@@ -20,6 +20,7 @@ from torch.compiler import is_compiling
 
 from attnforge.codegen.abi import PLAN_ERROR_BAD_PAGE, PLAN_HEADER
 from attnforge.codegen.dtypes import DType
+from attnforge.codegen.kv_tiles import decode_kv_tile
 from attnforge.codegen.spec import PosEncoding
 
 from . import call_knobs, checks, compile_ops, dispatch, kv_cache
@@ -80,8 +81,8 @@ def _struct_templates(module: Module, batch_size: int, num_qo_heads: int, num_kv
     args = binding.DecodePlanArgs(
         batch_size=batch_size, page_size=page_size, ctas_per_request=num_kv_heads * tiles, max_ctas=max_ctas,
         window_left=window_left, fixed_split_tokens=fixed_tokens, disable_split_kv=int(disable_split_kv),
-        min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=capacity, image_size=image_size, device=device_index,
-        **offsets)
+        min_chunk_tokens=MIN_CHUNK_TOKENS, chunk_align_tokens=decode_kv_tile(module.spec, heads),
+        work_capacity=capacity, image_size=image_size, device=device_index, **offsets)
     params = binding.DecodeParams(
         batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         group_size=num_qo_heads // num_kv_heads, heads_per_cta=heads, num_head_tiles=tiles, page_size=page_size,

@@ -81,10 +81,11 @@ class PlanError(ValueError):
 
 
 def split_chunk_tokens(longest: int, unsplit: bool, fixed_split_tokens: int, min_chunk_tokens: int,
-                       ctas_per_item: int, max_ctas: int, items_for) -> int:
+                       ctas_per_item: int, max_ctas: int, align_tokens: int, items_for) -> int:
     """The split-KV chunk both planners use (host/split_kv.h, line for line): the whole longest
-    range when unsplit, else the fixed split, else the smallest chunk >= min_chunk_tokens whose
-    item count times ctas_per_item fits max_ctas."""
+    range when unsplit, else the fixed split (as given), else the smallest chunk >= min_chunk_tokens
+    whose item count times ctas_per_item fits max_ctas, rounded up to a multiple of align_tokens
+    (the kernel's kv tile) unless that passes the longest range."""
     if unsplit:
         return max(longest, 1)
     if fixed_split_tokens > 0:
@@ -96,7 +97,9 @@ def split_chunk_tokens(longest: int, unsplit: bool, fixed_split_tokens: int, min
             hi = mid
         else:
             lo = mid + 1
-    return lo
+    align = max(align_tokens, 1)  # why the tile and not lcm(page, tile): host/split_kv.h
+    aligned = -(-lo // align) * align
+    return aligned if aligned <= longest else lo
 
 
 def plan_decode_oracle(
@@ -111,6 +114,7 @@ def plan_decode_oracle(
     fixed_split_tokens: int = 0,
     disable_split_kv: bool = False,
     min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+    chunk_align_tokens: int = 1,
     layout: PlanLayout,
 ) -> PlanResult:
     """Reference implementation of host/decode_plan.h (see its contract)."""
@@ -137,7 +141,7 @@ def plan_decode_oracle(
         return sum(max(1, -(-n // chunk)) for n in lengths)
 
     chunk = split_chunk_tokens(longest, disable_split_kv or batch * ctas_per_request >= max_ctas, fixed_split_tokens,
-                               min_chunk_tokens, ctas_per_request, max_ctas, items_for)
+                               min_chunk_tokens, ctas_per_request, max_ctas, chunk_align_tokens, items_for)
     num_work = items_for(chunk)
     if num_work > layout.capacity:
         raise PlanError(f"the plan needs {num_work} work items but has room for {layout.capacity}")

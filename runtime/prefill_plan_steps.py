@@ -25,6 +25,7 @@ import torch
 
 from attnforge.codegen.dtypes import DType
 from attnforge.codegen.fa3_units import fa3_cta_tile
+from attnforge.codegen.kv_tiles import prefill_kv_tile
 from attnforge.codegen.spec import Backend, PosEncoding
 
 from . import call_knobs, checks, dispatch, kv_cache
@@ -216,6 +217,8 @@ def schedule(module: Module, request: PlanRequest, options: KernelOptions, rows:
     image = plan_image.host_buffer(image_size)
 
     binding = module.binding
+    # Chunks align to the paged variant's kv tile even where fa3 later gathers the pages and runs
+    # its ragged variant: the tiles differ only at 16-bit head dims over 160 (64 vs 80 keys).
     args = binding.PrefillPlanArgs(
         qo_indptr=request.qo_indptr.data_ptr(), kv_indptr=request.kv_indptr.data_ptr(),
         last_page_len=request.last_page_len.data_ptr() if request.paged else None, image=image.data_ptr(),
@@ -223,7 +226,8 @@ def schedule(module: Module, request: PlanRequest, options: KernelOptions, rows:
         num_kv_heads=request.num_kv_heads, group_size=group, head_dim_qk=request.head_dim_qk,
         fixed_cta_tile_q=fixed_tile, max_ctas=max_ctas, causal=int(options.causal), window_left=options.window_left,
         fixed_split_tokens=fixed_tokens, disable_split_kv=int(options.disable_split_kv),
-        min_chunk_tokens=MIN_CHUNK_TOKENS, cuda_graph=int(graph), work_capacity=capacity, row_capacity=rows,
+        min_chunk_tokens=MIN_CHUNK_TOKENS, chunk_align_tokens=prefill_kv_tile(module.spec, tile, request.paged),
+        cuda_graph=int(graph), work_capacity=capacity, row_capacity=rows,
         **planner_offsets)
     info = binding.PrefillPlanInfo()
     if module.fns["prefill_plan"](ctypes.byref(args), ctypes.byref(info)) != 0:

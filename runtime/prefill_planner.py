@@ -136,6 +136,7 @@ def plan_prefill_oracle(
     fixed_split_tokens: int = 0,
     disable_split_kv: bool = False,
     min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+    chunk_align_tokens: int = 1,
     cuda_graph: bool = False,
     fixed_cta_tile_q: int = 0,
     layout: PrefillPlanLayout,
@@ -184,7 +185,7 @@ def plan_prefill_oracle(
         return sum(tiles[r] * chunks_of(r, chunk) for r in range(batch))
 
     chunk = split_chunk_tokens(longest, disable_split_kv or total_tiles * num_kv_heads >= max_ctas, fixed_split_tokens,
-                               min_chunk_tokens, num_kv_heads, max_ctas, items_for)
+                               min_chunk_tokens, num_kv_heads, max_ctas, chunk_align_tokens, items_for)
     num_work = items_for(chunk)
     if num_work > layout.capacity:
         raise PlanError(f"the plan needs {num_work} work items ({total_tiles} q tiles of {tile_rows} rows, kv chunks "

@@ -336,8 +336,9 @@ def with_peer() -> dict:
     for name in ("decode", "prefill", "fp8"):
         records[name]["config"]["flashinfer"] = PEER
     d = records["decode"]["tables"]["decode"]
-    d[0].update(flashinfer_us=300.0, flashinfer_tc_us=200.0, flashinfer_max_abs_vs_ours=4e-3)
-    d[1].update(flashinfer_us=None, flashinfer_tc_us=25.0, flashinfer_max_abs_vs_ours=None,
+    d[0].update(tc_us=240.0, tc_pct_copy_bw=98.0, flashinfer_us=300.0, flashinfer_tc_us=200.0,
+                flashinfer_max_abs_vs_ours=4e-3)
+    d[1].update(tc_us=50.0, tc_pct_copy_bw=30.4, flashinfer_us=None, flashinfer_tc_us=25.0, flashinfer_max_abs_vs_ours=None,
                 notes="FlashInfer CUDA-core decode, bf16 KV n/a: RuntimeError: unsupported")
     for r in records["prefill"]["tables"]["prefill"]:
         r.update(flashinfer_paged_tflops=400.0, flashinfer_ragged_tflops=340.0, flashinfer_fa3_paged_tflops=None,
@@ -364,7 +365,9 @@ def test_flashinfer_columns_and_ratios_render_beside_ours(tmp_path, capsys):
     lines = section(text, "Decode")
     assert columns(lines, "kv dtype")[-4:] == ["FlashInfer CUDA cores (µs)", "FlashInfer tensor cores (µs)",
                                                "CUDA cores: ours / FlashInfer", "tensor cores: ours / FlashInfer"]
-    assert row(lines, "| bf16 | 64 |")[-4:] == ["300.0", "200.0", "1.20", "0.80"]
+    # the tensor-core ratio is ours on tensor cores against FlashInfer's
+    assert row(lines, "| bf16 | 64 |")[-4:] == ["300.0", "200.0", "1.20", "0.83"]
+    assert row(lines, "| bf16 | 64 |")[6:8] == ["240.0", "98.0"]
     assert row(lines, "| bf16 | 1 |")[-4:] == ["n/a", "25.0", "n/a", "0.50"]
     assert "- bf16 1 x 16384: FlashInfer CUDA-core decode, bf16 KV n/a: RuntimeError: unsupported" in lines
     assert "FlashInfer 0.7.4: same process" in prose(lines) and "(its outputs within max abs 4.0e-03)" in prose(lines)

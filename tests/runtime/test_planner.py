@@ -7,14 +7,21 @@ import ctypes
 import re
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnforge.codegen.abi import PLAN_HEADER
+from attnforge.codegen.abi import DECODE_PLAN_ARGS, DECODE_PLAN_INFO, PLAN_HEADER
 from attnforge.codegen.dtypes import DType
+from attnforge.codegen.kv_tiles import decode_kv_tile
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind
-from attnforge.planner import MIN_CHUNK_TOKENS, PlanError, PlanLayout, plan_decode_oracle, work_capacity
+from attnforge.planner import (
+    MIN_CHUNK_TOKENS,
+    PlanError,
+    PlanLayout,
+    heads_per_cta,
+    plan_decode_oracle,
+    work_capacity,
+)
 
 # ---------------------------------------------------------------- drawn batches
 
@@ -49,6 +56,7 @@ def batches(draw, max_batch: int = 300):
         ctas_per_request=draw(st.integers(1, 64)),
         fixed_split_tokens=draw(st.integers(16, 4096)) if fixed is None else 0,
         disable_split_kv=draw(st.booleans()),
+        chunk_align_tokens=draw(st.sampled_from([1, 16, 32, 64, 128])),  # the decode kernels' kv tiles
     )
 
 
@@ -61,11 +69,13 @@ def capacity_for(b: dict) -> int:
     return capacity
 
 
+ORACLE_KEYS = ("page_size", "num_indices", "ctas_per_request", "max_ctas", "window_left", "fixed_split_tokens",
+               "disable_split_kv", "chunk_align_tokens")
+
+
 def oracle(b: dict, layout: PlanLayout | None = None):
     layout = layout or PlanLayout(len(b["last_page_len"]), capacity_for(b))
-    keys = ("page_size", "num_indices", "ctas_per_request", "max_ctas", "window_left", "fixed_split_tokens",
-            "disable_split_kv")
-    return plan_decode_oracle(b["indptr"], b["last_page_len"], layout=layout, **{k: b[k] for k in keys}), layout
+    return plan_decode_oracle(b["indptr"], b["last_page_len"], layout=layout, **{k: b[k] for k in ORACLE_KEYS}), layout
 
 
 def work_items(image: list[int], layout: PlanLayout, num_work: int) -> list[tuple[int, int, int, int]]:
@@ -119,8 +129,44 @@ def test_oracle_plan_tiles_every_request_once(b):
     if automatic and batch * b["ctas_per_request"] < b["max_ctas"]:
         assert result.num_work * b["ctas_per_request"] <= b["max_ctas"]
         assert result.chunk_tokens >= MIN_CHUNK_TOKENS
+        w = b["window_left"]
+        spans = [kv - (max(0, kv - 1 - w) if w >= 0 else 0) for kv in b["kv_lens"]]
+        assert_aligned_and_smallest(result.chunk_tokens, b["chunk_align_tokens"], b["max_ctas"] // b["ctas_per_request"],
+                                    lambda chunk: sum(max(1, -(-n // chunk)) for n in spans), max(spans))
+    elif b["fixed_split_tokens"] and not b["disable_split_kv"] and batch * b["ctas_per_request"] < b["max_ctas"]:
+        assert result.chunk_tokens == b["fixed_split_tokens"], "fixed_split_size keeps its meaning: never aligned"
     if b["disable_split_kv"]:
         assert result.num_work == batch and result.num_partials == 0
+
+
+def assert_aligned_and_smallest(chunk: int, align: int, slots: int, items_for, longest: int) -> None:
+    """The automatic chunk (host/split_kv.h): the smallest multiple of `align` >= MIN_CHUNK_TOKENS
+    whose items fit the slots; or, where that multiple passes the longest range, the smallest chunk
+    >= MIN_CHUNK_TOKENS that fits. (Item counts never grow with the chunk, so one step down decides.)"""
+    assert items_for(chunk) <= slots, "the chunks must stay within the slots"
+    if -(-chunk // align) * align <= longest:
+        assert chunk % align == 0, f"chunk {chunk} is not a multiple of the kv tile {align}"
+        assert chunk - align < MIN_CHUNK_TOKENS or items_for(chunk - align) > slots
+    else:
+        assert chunk == MIN_CHUNK_TOKENS or items_for(chunk - 1) > slots
+
+
+def test_batch1_16k_gets_whole_tiles():
+    """Issue 40's batch 1 x 16384 (bf16 hd 128, 8 kv heads, GQA 4: the 4-head tensor-core tile of
+    64 tokens, 2 CTAs x 132 SMs): the search alone cuts 33 chunks of 497 tokens (7 full tiles and
+    one of 49 rows, boundaries mid-page); aligned, 32 chunks of 512, page-aligned, 256 of 264 slots."""
+    spec = KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
+                      dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, archs=(Arch.SM90A,))
+    heads, tiles = heads_per_cta(4)
+    assert (heads, tiles, decode_kv_tile(spec, heads)) == (4, 1, 64)
+    b = dict(indptr=[0, 1024], last_page_len=[16], page_size=16, num_indices=1024, ctas_per_request=8, max_ctas=264,
+             window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[16384], chunk_align_tokens=1)
+    unaligned, _ = oracle(b)
+    assert (unaligned.max_chunks, unaligned.chunk_tokens) == (33, 497)
+    result, layout = oracle({**b, "chunk_align_tokens": decode_kv_tile(spec, heads)})
+    assert (result.max_chunks, result.chunk_tokens, result.num_work) == (32, 512, 32)
+    assert sorted(begin for _, begin, _, _ in work_items(result.image, layout, result.num_work)) == list(
+        range(0, 16384, 512))
 
 
 def _bad_variants(b: dict, draw_index: int) -> list[tuple[dict, str]]:
@@ -160,21 +206,21 @@ def test_oracle_refuses_bad_page_tables_naming_the_index(b, draw_index):
 
 def test_oracle_refuses_a_negative_first_offset():
     b = dict(indptr=[-1, 2], last_page_len=[3], page_size=4, num_indices=8, ctas_per_request=1, max_ctas=132,
-             window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[3])
+             window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[3], chunk_align_tokens=1)
     with pytest.raises(PlanError, match=re.escape("indptr[0]")):
         oracle(b)
 
 
 def test_oracle_refuses_a_plan_beyond_its_capacity():
     b = dict(indptr=[0, 100], last_page_len=[16], page_size=16, num_indices=100, ctas_per_request=1, max_ctas=132,
-             window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600])
+             window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600], chunk_align_tokens=1)
     with pytest.raises(PlanError, match="work items"):
         oracle(b, PlanLayout(1, 10))
 
 
 def test_empty_request_gets_one_empty_item():
     b = dict(indptr=[0, 0, 3], last_page_len=[0, 5], page_size=8, num_indices=3, ctas_per_request=2, max_ctas=132,
-             window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[0, 21])
+             window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[0, 21], chunk_align_tokens=1)
     result, layout = oracle(b)
     items = work_items(result.image, layout, result.num_work)
     assert sorted(items) == [(0, 0, 0, -1), (1, 0, 21, -1)]
@@ -182,33 +228,40 @@ def test_empty_request_gets_one_empty_item():
 
 # ---------------------------------------------------------------- C++ planner == oracle
 
-SPEC = KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
-                  dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, archs=(Arch.SM80,))
+STRUCTS = (DECODE_PLAN_ARGS, DECODE_PLAN_INFO)
 
 
 @pytest.fixture(scope="module")
-def module(module_cache):
-    from attnforge.loader import load_uncached
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ATTNFORGE_CACHE_DIR", str(module_cache))
-        yield load_uncached(SPEC)
+def module(plan_shim):
+    """host/decode_plan.h compiled into a test shim (conftest.plan_shim): the planner every decode
+    module runs, without compiling its kernels."""
+    return plan_shim("decode_plan.h", "plan_decode", *STRUCTS)
 
 
-def cxx_plan(module, b: dict, layout: PlanLayout):
-    """Call the module's planner exactly as decode.py plan() does. (status, image, info)."""
-    indptr = torch.tensor(b["indptr"], dtype=torch.int32)
-    last_page_len = torch.tensor(b["last_page_len"], dtype=torch.int32)
-    image = torch.zeros(layout.size, dtype=torch.int32)
-    args = module.binding.DecodePlanArgs(
-        indptr=indptr.data_ptr(), last_page_len=last_page_len.data_ptr(), image=image.data_ptr(),
-        batch_size=len(b["last_page_len"]), page_size=b["page_size"], num_indices=b["num_indices"],
-        ctas_per_request=b["ctas_per_request"], max_ctas=b["max_ctas"], window_left=b["window_left"],
-        fixed_split_tokens=b["fixed_split_tokens"], disable_split_kv=int(bool(b["disable_split_kv"])),
-        min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=layout.capacity, **layout.offsets())
-    info = module.binding.DecodePlanInfo()
-    status = module.fns["decode_plan"](ctypes.byref(args), ctypes.byref(info))
-    return status, image.tolist(), info
+def cxx_plan(shim, b: dict, layout: PlanLayout):
+    """Call the C++ planner as decode.py plan() does, on a zeroed image (entries it does not
+    write stay 0, as in the oracle's image). (status, image, info, error message)"""
+    indptr = (ctypes.c_int32 * len(b["indptr"]))(*b["indptr"])
+    last_page_len = (ctypes.c_int32 * max(len(b["last_page_len"]), 1))(*b["last_page_len"])
+    image = (ctypes.c_int32 * layout.size)()
+    args = shim.mirrors["DecodePlanArgs"](
+        indptr=ctypes.addressof(indptr), last_page_len=ctypes.addressof(last_page_len), image=ctypes.addressof(image),
+        batch_size=len(b["last_page_len"]), min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=layout.capacity,
+        **{k: int(b[k]) for k in ORACLE_KEYS}, **layout.offsets())
+    info = shim.mirrors["DecodePlanInfo"]()
+    status = shim.shim_plan(ctypes.byref(args), ctypes.byref(info))
+    return status, list(image), info, shim.shim_last_error().decode()
+
+
+@pytest.mark.nvcc
+def test_shim_struct_layouts_match_the_ctypes_mirrors(module):
+    table = (ctypes.c_int64 * 256)()
+    count = module.shim_abi(table, 256)
+    expected = []
+    for struct in STRUCTS:
+        mirror = module.mirrors[struct.name]
+        expected += [ctypes.sizeof(mirror), *(getattr(mirror, f.name).offset for f in struct.fields)]
+    assert list(table[:count]) == expected
 
 
 @pytest.mark.nvcc
@@ -216,8 +269,8 @@ def cxx_plan(module, b: dict, layout: PlanLayout):
 @given(b=batches())
 def test_cxx_planner_matches_oracle(module, b):
     result, layout = oracle(b)
-    status, image, info = cxx_plan(module, b, layout)
-    assert status == 0, module.last_error()
+    status, image, info, error = cxx_plan(module, b, layout)
+    assert status == 0, error
     assert image == result.image
     assert (info.num_work, info.num_partials, info.chunk_tokens, info.max_chunks) == (
         result.num_work, result.num_partials, result.chunk_tokens, result.max_chunks)
@@ -232,15 +285,15 @@ def test_cxx_planner_refuses_what_the_oracle_refuses(module, b, draw_index):
         with pytest.raises(PlanError) as info:
             oracle(bad, layout)
         assert named in str(info.value)
-        status, _, _ = cxx_plan(module, bad, layout)
+        status, _, _, error = cxx_plan(module, bad, layout)
         assert status != 0
-        assert named in module.last_error(), (named, module.last_error())
+        assert named in error, (named, error)
 
 
 @pytest.mark.nvcc
 def test_cxx_planner_refuses_a_plan_beyond_its_capacity(module):
     b = dict(indptr=[0, 100], last_page_len=[16], page_size=16, num_indices=100, ctas_per_request=1, max_ctas=132,
-             window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600])
-    status, _, _ = cxx_plan(module, b, PlanLayout(1, 10))
+             window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600], chunk_align_tokens=1)
+    status, _, _, error = cxx_plan(module, b, PlanLayout(1, 10))
     assert status != 0
-    assert "work items" in module.last_error() and "fixed_split_size" in module.last_error()
+    assert "work items" in error and "fixed_split_size" in error

@@ -5,17 +5,13 @@ image for image and error for error."""
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from collections import Counter
-from pathlib import Path
 
-import jinja2
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnforge.codegen.abi import PLAN_HEADER, PREFILL_PLAN_ARGS, PREFILL_PLAN_INFO
-from attnforge.codegen.sources import templates_dir
 from attnforge.planner import MIN_CHUNK_TOKENS, PlanError
 from attnforge.prefill_planner import (
     PrefillPlanLayout,
@@ -74,6 +70,7 @@ def batches(draw, max_batch: int = 16, graph: bool | None = None):
         window_left=draw(st.one_of(st.just(-1), st.integers(0, 2000))),
         fixed_split_tokens=draw(st.integers(16, 2048)) if fixed is None else 0,
         disable_split_kv=draw(st.booleans()),
+        chunk_align_tokens=draw(st.sampled_from([1, 64, 80, 128, 256])),  # the kernels' kv tiles
         cuda_graph=cuda_graph,
         fixed_cta_tile_q=draw(st.sampled_from([0, 0, 0, 128, 192])),
         row_capacity=qo_indptr[-1] + (draw(st.integers(0, 64)) if cuda_graph else 0),
@@ -98,7 +95,8 @@ def layout_for(b: dict) -> PrefillPlanLayout:
 
 
 ORACLE_KEYS = ("page_size", "num_indices", "num_kv_heads", "group_size", "head_dim_qk", "max_ctas", "causal",
-               "window_left", "fixed_split_tokens", "disable_split_kv", "cuda_graph", "fixed_cta_tile_q")
+               "window_left", "fixed_split_tokens", "disable_split_kv", "chunk_align_tokens", "cuda_graph",
+               "fixed_cta_tile_q")
 
 
 def oracle(b: dict, layout: PrefillPlanLayout | None = None):
@@ -137,6 +135,18 @@ def merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append([lo, hi])
     return [tuple(i) for i in out]
+
+
+def assert_aligned_and_smallest(chunk: int, align: int, slots: int, items_for, longest: int) -> None:
+    """The automatic chunk (host/split_kv.h): the smallest multiple of `align` >= MIN_CHUNK_TOKENS
+    whose items fit the slots; or, where that multiple passes the longest range, the smallest chunk
+    >= MIN_CHUNK_TOKENS that fits. (Item counts never grow with the chunk, so one step down decides.)"""
+    assert items_for(chunk) <= slots, "the chunks must stay within the slots"
+    if -(-chunk // align) * align <= longest:
+        assert chunk % align == 0, f"chunk {chunk} is not a multiple of the kv tile {align}"
+        assert chunk - align < MIN_CHUNK_TOKENS or items_for(chunk - align) > slots
+    else:
+        assert chunk == MIN_CHUNK_TOKENS or items_for(chunk - 1) > slots
 
 
 # ---------------------------------------------------------------- oracle properties
@@ -218,6 +228,19 @@ def test_oracle_covers_every_visible_token_once_and_reads_nothing_masked(b):
     if automatic and len(expected_tiles) * b["num_kv_heads"] < b["max_ctas"]:
         assert result.num_work * b["num_kv_heads"] <= b["max_ctas"]
         assert result.chunk_tokens >= MIN_CHUNK_TOKENS
+
+        def items_for(chunk: int) -> int:
+            tiles = [-(-qo * g // tile) for qo in b["qo_lens"]]
+            spans = [kv - (max(0, kv - qo - b["window_left"]) if b["window_left"] >= 0 else 0)
+                     for qo, kv in zip(b["qo_lens"], b["kv_lens"])]
+            return sum(t * max(1, -(-n // chunk)) for t, n in zip(tiles, spans))
+
+        longest = max(kv - (max(0, kv - qo - b["window_left"]) if b["window_left"] >= 0 else 0)
+                      for qo, kv in zip(b["qo_lens"], b["kv_lens"]))
+        assert_aligned_and_smallest(result.chunk_tokens, b["chunk_align_tokens"], b["max_ctas"] // b["num_kv_heads"],
+                                    items_for, longest)
+    elif b["fixed_split_tokens"] and not b["disable_split_kv"] and len(expected_tiles) * b["num_kv_heads"] < b["max_ctas"]:
+        assert result.chunk_tokens == b["fixed_split_tokens"], "fixed_split_size keeps its meaning: never aligned"
     if b["disable_split_kv"]:
         assert num_chunks == [1] * batch and result.num_partials == 0
     expected_empty_rows = sum(max(0, qo - kv) for qo, kv in zip(b["qo_lens"], b["kv_lens"])) if b["causal"] else 0
@@ -239,7 +262,8 @@ def graph_pairs(draw):
         qo_indptr.append(qo_indptr[-1] + qo)
     rows = max(first["qo_indptr"][-1], qo_indptr[-1]) + draw(st.integers(0, 64))
     static = {k: first[k] for k in ("num_kv_heads", "group_size", "head_dim_qk", "max_ctas", "causal", "window_left",
-                                    "disable_split_kv", "page_size", "fixed_cta_tile_q")}
+                                    "disable_split_kv", "page_size", "fixed_cta_tile_q",
+                                    "chunk_align_tokens")}
     second = {**second, **static, "qo_lens": second_qo, "kv_lens": second_kv, "qo_indptr": qo_indptr,
               "kv_indptr": kv_indptr, "last_page_len": last, "num_indices": kv_indptr[-1]}
     return [{**one, "row_capacity": rows, "fixed_split_tokens": 0} for one in (first, second)]
@@ -297,7 +321,8 @@ def test_oracle_refuses_bad_host_arrays_naming_the_argument(b, draw_index):
 
 CAPACITY_CASE = dict(qo_lens=[512], kv_lens=[4096], qo_indptr=[0, 512], kv_indptr=[0, 4096], last_page_len=None,
                      page_size=1, num_indices=4096, num_kv_heads=1, group_size=1, head_dim_qk=128, max_ctas=132,
-                     causal=False, window_left=-1, fixed_split_tokens=64, disable_split_kv=False, cuda_graph=False,
+                     causal=False, window_left=-1, fixed_split_tokens=64, disable_split_kv=False, chunk_align_tokens=1,
+                     cuda_graph=False,
                      fixed_cta_tile_q=0,
                      row_capacity=512)
 
@@ -327,31 +352,38 @@ def test_causal_split_gives_early_tiles_empty_chunks():
         (0, 0, 0, 128, 0), (0, 0, 128, 128, 1), (0, 1, 0, 128, 0), (0, 1, 128, 256, 1)]
 
 
+def test_tensor_core_decode_batch1_16k_gets_whole_tiles():
+    """Issue 40's tensor-core decode case: 1 x 16384 tokens, bf16 hd 128, 8 kv heads, GQA 4, page
+    16, 132 SMs x 2 CTAs. The search alone gives 33 chunks of 497 tokens (4 tiles of 128, the last
+    113 rows, boundaries mid-page); aligned to the fa2 q16 variant's 128-key tile, 32 chunks of 512
+    (FlashInfer's 32 pages), which still fill 256 of the 264 slots."""
+    from attnforge.codegen.dtypes import DType
+    from attnforge.codegen.kv_tiles import prefill_kv_tile
+    from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind
+
+    spec = KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
+                      dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, archs=(Arch.SM90A,))
+    b = dict(CAPACITY_CASE, qo_lens=[1], kv_lens=[16384], qo_indptr=[0, 1], kv_indptr=[0, 1024], last_page_len=[16],
+             page_size=16, num_indices=1024, num_kv_heads=8, group_size=4, max_ctas=264, fixed_split_tokens=0,
+             row_capacity=1)
+    assert tile_of(b) == 16 and prefill_kv_tile(spec, 16, True) == 128
+    unaligned, _ = oracle(b)
+    assert (unaligned.max_chunks, unaligned.chunk_tokens) == (33, 497)
+    result, layout = oracle({**b, "chunk_align_tokens": prefill_kv_tile(spec, 16, True)})
+    assert (result.max_chunks, result.chunk_tokens, result.num_work) == (32, 512, 32)
+    assert sorted(begin for _, _, begin, _, _ in work_items(result.image, layout, result.num_work)) == list(
+        range(0, 16384, 512))
+
+
 # ---------------------------------------------------------------- C++ planner == oracle
 
 STRUCTS = (PREFILL_PLAN_ARGS, PREFILL_PLAN_INFO)
-MIRRORS = {s.name: type(s.name, (ctypes.Structure,), {"_fields_": [(f.name, getattr(ctypes, f.ctypes_name))
-                                                                    for f in s.fields]}) for s in STRUCTS}
 
 
 @pytest.fixture(scope="module")
-def shim(tmp_path_factory):
-    """host/prefill_plan.h compiled into a shared library with a C entry point (nvcc as a host
-    compiler, since error.h includes the CUDA runtime header)."""
-    folder = tmp_path_factory.mktemp("prefill_plan_shim")
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(Path(__file__).parent)),
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    source = folder / "shim.cu"
-    source.write_text(env.get_template("prefill_plan_shim.cpp.jinja").render(structs=STRUCTS))
-    library = folder / "shim.so"
-    subprocess.run(["nvcc", "-std=c++17", "-O1", "-shared", "-Xcompiler", "-fPIC", "-I",
-                    str(templates_dir() / "include"), str(source), "-o", str(library)], check=True)
-    lib = ctypes.CDLL(str(library))
-    lib.shim_last_error.restype = ctypes.c_char_p
-    lib.shim_abi.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int32]
-    lib.shim_plan.argtypes = [ctypes.POINTER(MIRRORS["PrefillPlanArgs"]), ctypes.POINTER(MIRRORS["PrefillPlanInfo"])]
-    lib.shim_plan.restype = ctypes.c_int32
-    return lib
+def shim(plan_shim):
+    """host/prefill_plan.h compiled into a test shim (conftest.plan_shim)."""
+    return plan_shim("prefill_plan.h", "plan_prefill", *STRUCTS)
 
 
 def int32_array(values: list[int]):
@@ -364,13 +396,13 @@ def cxx_plan(shim, b: dict, layout: PrefillPlanLayout):
     qo_indptr, kv_indptr = int32_array(b["qo_indptr"]), int32_array(b["kv_indptr"])
     last = int32_array(b["last_page_len"]) if b["last_page_len"] is not None else None
     image = int32_array([-12345] * layout.size)
-    args = MIRRORS["PrefillPlanArgs"](
+    args = shim.mirrors["PrefillPlanArgs"](
         qo_indptr=ctypes.addressof(qo_indptr), kv_indptr=ctypes.addressof(kv_indptr),
         last_page_len=ctypes.addressof(last) if last is not None else None, image=ctypes.addressof(image),
         batch_size=len(b["qo_lens"]), paged=int(last is not None), min_chunk_tokens=MIN_CHUNK_TOKENS,
         work_capacity=layout.capacity, row_capacity=layout.row_capacity,
         **{k: int(b[k]) for k in ORACLE_KEYS}, **layout.offsets())
-    info = MIRRORS["PrefillPlanInfo"]()
+    info = shim.mirrors["PrefillPlanInfo"]()
     status = shim.shim_plan(ctypes.byref(args), ctypes.byref(info))
     return status, list(image), info, shim.shim_last_error().decode()
 
@@ -381,7 +413,7 @@ def test_shim_struct_layouts_match_the_ctypes_mirrors(shim):
     count = shim.shim_abi(table, 256)
     expected = []
     for struct in STRUCTS:
-        mirror = MIRRORS[struct.name]
+        mirror = shim.mirrors[struct.name]
         expected += [ctypes.sizeof(mirror), *(getattr(mirror, f.name).offset for f in struct.fields)]
     assert list(table[:count]) == expected
 

@@ -6,7 +6,9 @@
 //   kv range[r] = [max(0, kv_len - 1 - window_left), kv_len)   (whole range without a window)
 //   chunk       = the whole longest range when splitting is off or the batch alone fills the GPU;
 //                 else fixed_split_tokens if set; else the smallest chunk >= min_chunk_tokens
-//                 whose work-item count times ctas_per_request fits max_ctas (binary search).
+//                 whose work-item count times ctas_per_request fits max_ctas (binary search),
+//                 rounded up to a multiple of chunk_align_tokens (the kernel's kv tile) unless
+//                 that passes the longest range (split_kv.h).
 //   Every request gets >= 1 work item (an empty one writes o = 0, lse = -inf). Requests cut into
 //   several chunks get consecutive fp32 partial slots; whole requests write o directly (-1).
 //   Work items are ordered longest first (stable), so long tails start early.
@@ -67,7 +69,7 @@ int32_t plan_decode(const Args& a, Info* info) {
   };
   const int64_t chunk = split_chunk_tokens(longest, a.disable_split_kv || int64_t(batch) * a.ctas_per_request >= a.max_ctas,
                                            a.fixed_split_tokens, a.min_chunk_tokens, a.ctas_per_request, a.max_ctas,
-                                           items_for);
+                                           a.chunk_align_tokens, items_for);
   const int64_t num_work = items_for(chunk);
   if (num_work > a.work_capacity) {
     return fail(kBadInput, "the plan needs " + std::to_string(num_work) + " work items (kv chunks of " +

@@ -12,7 +12,9 @@
 //   kv range[r]  = [window ? max(0, q_pos(0) - window_left) : 0, kv_len): what any of its rows sees
 //   chunk        = as decode, over q tiles x Hkv CTAs: the whole longest range when splitting is
 //                  off or the q tiles alone fill max_ctas; else fixed_split_tokens if set; else the
-//                  smallest chunk >= min_chunk_tokens whose item count x Hkv fits max_ctas.
+//                  smallest chunk >= min_chunk_tokens whose item count x Hkv fits max_ctas,
+//                  rounded up to a multiple of chunk_align_tokens (the chosen variant's kv tile)
+//                  unless that passes the longest range (split_kv.h).
 //   num_chunks[r]= max(1, ceil(range / chunk)); chunk c = [lo + c*chunk, lo + (c+1)*chunk), cut to range.
 //   item (r, tile, c) reads chunk c cut to the tile's own range: from its first row's window edge
 //                  to just past its last row's causal edge. The chunk count is per request (the
@@ -159,7 +161,7 @@ int32_t plan_prefill(const Args& a, Info* info) {
   };
   const int64_t chunk = split_chunk_tokens(longest, a.disable_split_kv || total_tiles * a.num_kv_heads >= a.max_ctas,
                                            a.fixed_split_tokens, a.min_chunk_tokens, a.num_kv_heads, a.max_ctas,
-                                           items_for);
+                                           a.chunk_align_tokens, items_for);
   const int64_t num_work = items_for(chunk);
   if (num_work > a.work_capacity) {
     return fail(kBadInput, "the plan needs " + std::to_string(num_work) + " work items (" +

@@ -1,8 +1,11 @@
 // Role: the split-KV chunk choice both planners share (host code).
 // Contract: the whole longest kv range (one chunk per range) when splitting is off or the unsplit
-//   work already fills the GPU; else fixed_split_tokens when set; else the smallest chunk >=
-//   min_chunk_tokens whose work-item count times ctas_per_item fits max_ctas (binary search; the
-//   count never grows as the chunk grows, so the search is exact).
+//   work already fills the GPU; else fixed_split_tokens when set (as given: fixed_split_size is
+//   FlashInfer's, in pages); else the smallest chunk >= min_chunk_tokens whose work-item count
+//   times ctas_per_item fits max_ctas (binary search; the count never grows as the chunk grows, so
+//   the search is exact), rounded up to a multiple of align_tokens, the kernel's kv tile, unless
+//   that passes the longest range (then every range is one chunk either way, and the search's
+//   chunk is kept).
 // Must not: know what a work item is; items_for(chunk) counts them for its caller.
 #pragma once
 
@@ -13,7 +16,7 @@ namespace attnforge::host {
 
 template <typename ItemsFor>
 int64_t split_chunk_tokens(int64_t longest, bool unsplit, int64_t fixed_split_tokens, int64_t min_chunk_tokens,
-                           int64_t ctas_per_item, int64_t max_ctas, const ItemsFor& items_for) {
+                           int64_t ctas_per_item, int64_t max_ctas, int64_t align_tokens, const ItemsFor& items_for) {
   if (unsplit) return std::max<int64_t>(longest, 1);
   if (fixed_split_tokens > 0) return fixed_split_tokens;
   int64_t lo = min_chunk_tokens, hi = std::max(longest, min_chunk_tokens);
@@ -21,7 +24,14 @@ int64_t split_chunk_tokens(int64_t longest, bool unsplit, int64_t fixed_split_to
     const int64_t mid = (lo + hi) / 2;
     if (items_for(mid) * ctas_per_item <= max_ctas) hi = mid; else lo = mid + 1;
   }
-  return lo;
+  // The kernel's kv tile alone, not lcm(page, tile): rounding up never adds work items, so the
+  // chunks stay within the slots; every tile but a range's last is full, and page sizes dividing
+  // the tile (1-64, the common ones) give page-aligned chunks too, while a larger page (a multiple
+  // of the tile) keeps each tile inside one page anyway, and whole-page chunks would leave slots
+  // idle (1024-token pages at 16k tokens: 16 chunks for 33 slots).
+  const int64_t align = std::max<int64_t>(align_tokens, 1);
+  const int64_t aligned = (lo + align - 1) / align * align;
+  return aligned <= longest ? aligned : lo;
 }
 
 }  // namespace attnforge::host

@@ -1,0 +1,44 @@
+"""Keys per kv tile of the FA2 kernels, which the split-KV planners round their chunks to.
+
+These mirror fa2/decode_traits.cuh (DecodeTraits::kTileTokens) and fa2/prefill_traits.cuh
+(PrefillTraits::kTileKV); FA3's is fa3_units.fa3_kv_tile. Every rendered variant static_asserts
+the value it was rendered with, so a change on one side that the other misses fails the build.
+"""
+
+from __future__ import annotations
+
+from .fa3_units import fa3_kv_tile
+from .spec import Backend, KernelSpec
+
+DECODE_THREADS = 128
+DECODE_WARPS = DECODE_THREADS // 32
+
+
+def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
+    """Tokens per tile of the decode kernel serving heads_per_cta heads: 16 per warp on the
+    tensor-core tile (4-8 heads over rows of whole 128-byte lines), else 8 KB of K per tile."""
+    kv_bytes = spec.dtype_kv.bytes
+    vec = 16 // kv_bytes  # KV elements per 16-byte load
+    cells = spec.head_dim_qk // vec
+    lanes = 1
+    while lanes < cells:
+        lanes *= 2
+    row_dim = lanes * vec
+    mma = (heads_per_cta >= 4 and row_dim == spec.head_dim_qk and lanes % 8 == 0
+           and (spec.head_dim_qk <= 128 or kv_bytes == 1))
+    return 16 * DECODE_WARPS if mma else 8192 // (row_dim * kv_bytes)
+
+
+def prefill_kv_tile(spec: KernelSpec, cta_tile_q: int, paged: bool) -> int:
+    """Keys per tile of the prefill kernel with cta_tile_q packed q rows (fa2: n16 blocks per warp
+    times the warps along kv; fa3: its kBlockN)."""
+    if spec.backend is Backend.FA3:
+        return fa3_kv_tile(spec, paged)
+    warps_q = 1 if cta_tile_q == 16 else 4
+    warps_kv = 4 // warps_q
+    mma_q = cta_tile_q // (16 * warps_q)
+    if warps_kv == 4:
+        mma_kv = (2 if spec.head_dim_qk <= 128 else 1) * (2 if spec.dtype_kv.is_fp8 else 1)
+    else:
+        mma_kv = 4 if mma_q == 2 else (8 if spec.head_dim_qk <= 128 else 4)
+    return mma_kv * warps_kv * 16
