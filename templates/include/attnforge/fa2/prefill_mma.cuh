@@ -183,8 +183,10 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, co
   // K: matrices (kv 0-7, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 0), (kv 8-15, cell 1).
   const LaneCells<T::kRowCellsQK> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   score_step<T, true>(q, k, qc, kc, 0, s);
-  // Rolled: unrolled, ptxas hoists every step's ldmatrix ahead and runs out of registers.
-#pragma unroll 1
+  // Two steps per pass: a step's fragment loads then overlap the other step's MMAs, and the loop
+  // branch is paid once per 32 dims. Unrolled fully, ptxas hoists every step's ldmatrix ahead and
+  // spills (docs/tried.md).
+#pragma unroll 2
   for (int step = 1; step < T::kMmaDQK / T::kChunksPerLoad; ++step) score_step<T, false>(q, k, qc, kc, step, s);
 }
 
