@@ -41,10 +41,10 @@ def fa3_tile_dim(spec: KernelSpec, head_dim: int) -> int:
 
 
 def fa3_kv_tile(spec: KernelSpec, paged: bool) -> int:
-    """Keys per tile (PrefillTraits::kBlockN): 128, 64 for 16-bit tile dims over 320 in all, of which
-    ragged kernels without soft cap or window take 80."""
-    head_dims = fa3_tile_dim(spec, spec.head_dim_qk) + fa3_tile_dim(spec, spec.head_dim_vo)
-    if spec.dtype_kv.is_fp8 or head_dims <= 320:
+    """Keys per tile (PrefillTraits::kBlockN): 128, 64 for 16-bit tile dims over 320 in all or a qk
+    tile dim over 192, of which ragged kernels without soft cap or window take 80."""
+    tile_qk = fa3_tile_dim(spec, spec.head_dim_qk)
+    if spec.dtype_kv.is_fp8 or (tile_qk + fa3_tile_dim(spec, spec.head_dim_vo) <= 320 and tile_qk <= 192):
         return 128
     wide = not paged and not spec.use_logits_soft_cap and not spec.use_sliding_window
     return 80 if wide else 64

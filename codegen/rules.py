@@ -18,8 +18,12 @@ from .spec import Arch, Backend, Kind, KernelSpec, PosEncoding
 HEAD_DIMS = (64, 80, 96, 112, 128, 160, 192, 224, 256)
 # The largest head dim a prefill row's fp32 o accumulator leaves room for in one warp's registers.
 PREFILL_MAX_HEAD_DIM = 256
-FA2_PREFILL_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS} | {(192, 128)})
-FA3_PREFILL_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS} | {(192, 128)})
+# Prefill kernels size Q/K and V/O separately, so any qk >= vo pair of listed dims runs (MLA-like
+# (192, 128) among them); a vo wider than qk is refused: no model has one.
+HEAD_DIM_PAIRS = frozenset((qk, vo) for qk in HEAD_DIMS for vo in HEAD_DIMS if qk >= vo)
+FA2_PREFILL_HEAD_DIMS = HEAD_DIM_PAIRS
+FA3_PREFILL_HEAD_DIMS = HEAD_DIM_PAIRS
+# The CUDA-core decode kernel holds one head dim for q, k and v.
 DECODE_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS})
 # fa2 prefill with an fp8 cache: one ldmatrix of K covers 32 one-byte dims.
 FA2_FP8_KV_PREFILL_HEAD_DIMS = frozenset(dims for dims in FA2_PREFILL_HEAD_DIMS if dims[0] % 32 == 0 and dims[1] % 32 == 0)
@@ -74,7 +78,12 @@ def _dims(s: KernelSpec) -> tuple[int, int]:
 
 
 def _pairs(dims: frozenset) -> str:
-    return ", ".join(f"{qk}" if qk == vo else f"({qk},{vo})" for qk, vo in sorted(dims))
+    """A listed set in words: its equal dims, or every qk >= vo pair of them (no set lists some pairs)."""
+    equal = sorted(qk for qk, vo in dims if qk == vo)
+    if dims == frozenset((qk, vo) for qk in equal for vo in equal if qk >= vo) and len(equal) > 1:
+        return "(qk, vo) with qk >= vo, both of " + ", ".join(map(str, equal))
+    assert dims == frozenset((d, d) for d in equal), "a head-dim set is its equal pairs or all qk >= vo pairs of them"
+    return ", ".join(map(str, equal))
 
 
 RULES: tuple[Rule, ...] = (
@@ -196,7 +205,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "decode-head-dims",
         "the decode kernel has no instance for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
-        "use head dim " + _pairs(DECODE_HEAD_DIMS) + " (qk and vo equal)",
+        "use head dim " + _pairs(DECODE_HEAD_DIMS) + " (qk and vo equal), or use_tensor_cores=True, whose prefill "
+        "kernels take (qk, vo) pairs",
         lambda s: s.kind is Kind.DECODE and not _off_grid(s) and _dims(s) not in DECODE_HEAD_DIMS,
     ),
     Rule(

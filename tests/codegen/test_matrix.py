@@ -31,9 +31,9 @@ def _supported_dims(kind, backend, dtype_q, dtype_kv):
 
 
 def test_supported_prefill_head_dims():
-    """Every common head dim (and (192, 128)) on fa2 and fa3 16-bit; fp8 fa2 caches at multiples of
-    32; fa3 fp8 at 128 and 256 only."""
-    common = {(d, d) for d in COMMON} | {(192, 128)}
+    """Every common head dim and the matrix's qk > vo pairs on fa2 and fa3 16-bit; fp8 fa2 caches at
+    multiples of 32; fa3 fp8 at 128 and 256 only."""
+    common = {(d, d) for d in COMMON} | {(192, 128), (256, 128), (128, 64)}
     for backend in Backend:
         for dtype in (DType.FP16, DType.BF16):
             assert _supported_dims(Kind.PREFILL, backend, dtype, dtype) == common

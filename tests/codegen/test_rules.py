@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnforge.codegen.dtypes import DType
-from attnforge.codegen.rules import (FA2_FP8_KV_PREFILL_HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
+from attnforge.codegen.rules import (FA2_FP8_KV_PREFILL_HEAD_DIMS, HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
                                       ensure_valid)
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 
@@ -237,10 +237,10 @@ def test_fp8_caches_at_new_head_dims(decode_spec, head_dim, dtype_kv):
     (Kind.PREFILL, Backend.FA3, (512, 512), "prefill-head-dims-max-256", ["fa3 prefill", "above head dim 256",
                                                                           "up to 256"]),
     (Kind.PREFILL, Backend.FA2, (512, 512), "prefill-head-dims-max-256", ["fa2 prefill", "registers"]),
-    (Kind.PREFILL, Backend.FA3, (144, 144), "fa3-head-dims", ["qk 144, vo 144", "160", "(192,128)", "backend fa2"]),
-    (Kind.PREFILL, Backend.FA2, (128, 192), "fa2-prefill-head-dims", ["qk 128, vo 192", "224"]),
+    (Kind.PREFILL, Backend.FA3, (144, 144), "fa3-head-dims", ["qk 144, vo 144", "160", "qk >= vo", "backend fa2"]),
+    (Kind.PREFILL, Backend.FA2, (128, 192), "fa2-prefill-head-dims", ["qk 128, vo 192", "224", "qk >= vo"]),
     (Kind.DECODE, Backend.FA2, (512, 512), "decode-head-dims", ["qk 512, vo 512", "qk and vo equal"]),
-    (Kind.DECODE, Backend.FA2, (192, 128), "decode-head-dims", ["vo 128"]),
+    (Kind.DECODE, Backend.FA2, (192, 128), "decode-head-dims", ["vo 128", "use_tensor_cores=True"]),
     # off the 16-grid and wider than every listed dim: the width rule alone (nothing to pad to)
     (Kind.PREFILL, Backend.FA2, (264, 264), "prefill-head-dims-max-256", ["qk 264, vo 264", "up to 256"]),
     (Kind.PREFILL, Backend.FA3, (520, 520), "prefill-head-dims-max-256", ["fa3 prefill", "above head dim 256"]),
@@ -308,3 +308,13 @@ def _error(spec) -> UnsupportedSpecError:
     with pytest.raises(UnsupportedSpecError) as info:
         ensure_valid(spec)
     return info.value
+
+
+@pytest.mark.parametrize("backend", [Backend.FA2, Backend.FA3])
+def test_prefill_takes_every_qk_at_least_vo_pair(decode_spec, backend):
+    """Prefill sizes Q/K and V/O apart: any listed pair with qk >= vo has a 16-bit kernel, vo > qk none."""
+    archs = (Arch.SM90A,) if backend is Backend.FA3 else (Arch.SM80,)
+    for qk in HEAD_DIMS:
+        for vo in HEAD_DIMS:
+            spec = replace(decode_spec, kind=Kind.PREFILL, backend=backend, archs=archs, head_dim_qk=qk, head_dim_vo=vo)
+            assert (check(spec) == []) == (qk >= vo), (qk, vo)

@@ -41,6 +41,12 @@ PADDED = [KernelSpec(kind=kind, backend=backend, dtype_q=DType.BF16, dtype_kv=DT
           for kind, backend, arch in [(Kind.PREFILL, Backend.FA2, Arch.SM80), (Kind.DECODE, Backend.FA2, Arch.SM90A),
                                       (Kind.PREFILL, Backend.FA3, Arch.SM90A)]]
 SPECS += PADDED
+# qk > vo pairs: (256, 64) is where fa3's 128-token stages would just fill shared memory beside the
+# 256-wide Q tile (it takes the narrow kv tiles); fa2 at the same pair for sm_80.
+PAIRS = [KernelSpec(kind=Kind.PREFILL, backend=backend, dtype_q=DType.BF16, dtype_kv=DType.BF16, dtype_o=DType.BF16,
+                    head_dim_qk=256, head_dim_vo=64, archs=(arch,))
+         for backend, arch in [(Backend.FA2, Arch.SM80), (Backend.FA3, Arch.SM90A)]]
+SPECS += PAIRS
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])

@@ -180,9 +180,12 @@ struct PrefillTraits {
   // at 160 registers (ptxas then serializes the wgmmas, C7512). Paged kernels keep 128 or 64, which
   // every power-of-two page up to 128 divides, so their boxes are whole pages; soft cap and sliding
   // window too. kWideKvTile: the wider width, 0 where none applies.
+  // A 256-wide Q tile (64 KB) leaves room for 128-token stages only beside a 64-wide V, with no
+  // slack: (256, 64) and (224, 64) take the narrow tiles too.
   static constexpr int kHeadDims = kTileDimQK + kTileDimVO;
-  static constexpr int kWideKvTile = !kFp8 && !kPagedKV && !kSoftCap && !kSlidingWindow && kHeadDims > 320 ? 80 : 0;
-  static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kFp8 || kHeadDims <= 320 ? 128 : 64;
+  static constexpr bool kNarrowKvTile = !kFp8 && (kHeadDims > 320 || kTileDimQK > 192);
+  static constexpr int kWideKvTile = !kPagedKV && !kSoftCap && !kSlidingWindow && kNarrowKvTile ? 80 : 0;
+  static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kNarrowKvTile ? 64 : 128;
   // Pingpong between the two overlapping consumer warpgroups (scheduler_wait), so one's GEMMs run
   // under the other's softmax, except for 64-key tiles, whose short GEMMs leave nothing to hide;
   // three warpgroups (hd 64, and the in-order kernels) issue when ready.
