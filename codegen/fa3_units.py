@@ -23,8 +23,8 @@ CUTE_BASE_WGMMA_WIDTHS = frozenset((8, 16, 32, 64, 96, 128, 192, 256))
 
 def fa3_cta_tile(spec: KernelSpec) -> int:
     """The FA3 kernel's one tile: a consumer warpgroup per 64 rows, three at 16-bit head dim 64, at
-    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (fa3/traits.cuh,
-    PrefillTraits::kConsumerWarpgroups), else two."""
+    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (64 and 96 on the
+    padded tile dim 128; fa3/traits.cuh, PrefillTraits::kConsumerWarpgroups), else two."""
     if spec.dtype_kv.is_fp8:
         three = spec.head_dim_vo <= 128
     else:
@@ -35,7 +35,10 @@ def fa3_cta_tile(spec: KernelSpec) -> int:
 
 def fa3_tile_dim(spec: KernelSpec, head_dim: int) -> int:
     """A head dim as the kernel's tiles hold it (PrefillTraits::kTileDimQK/VO): whole 128-byte
-    column blocks, 64 16-bit or 128 fp8 elements (16-bit 80-112 -> 128, 160 -> 192, 224 -> 256)."""
+    column blocks, 64 16-bit or 128 fp8 elements (16-bit 80-112 -> 128, 160 -> 192, 224 -> 256;
+    fp8 64, 96 -> 128, 192 -> 256: the fp8 wgmma's K-major operands and V^T's rows of 128 keys use
+    the 128-byte swizzle alone, so fp8 hd 64 and 96 run the hd 128 kernel's tiles, their padding
+    zero-filled like 16-bit padding). The rendered units static_assert it."""
     line = 128 // spec.dtype_kv.bytes
     return -(-head_dim // line) * line
 

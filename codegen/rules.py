@@ -27,8 +27,9 @@ FA3_PREFILL_HEAD_DIMS = HEAD_DIM_PAIRS
 DECODE_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS})
 # fa2 prefill with an fp8 cache: one ldmatrix of K covers 32 one-byte dims.
 FA2_FP8_KV_PREFILL_HEAD_DIMS = frozenset(dims for dims in FA2_PREFILL_HEAD_DIMS if dims[0] % 32 == 0 and dims[1] % 32 == 0)
-# fp8 fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 would need a 64-byte swizzle.
-FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(128, 128), (256, 256)})
+# fp8 fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 and 96 run on a tile dim of 128, 192
+# on 256 (zero-filled columns, fa3/traits.cuh kTileDimQK/VO), qk and vo equal.
+FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(64, 64), (96, 96), (128, 128), (192, 192), (256, 256)})
 
 
 def _off_grid(s) -> bool:
@@ -217,8 +218,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "fa3-fp8-head-dims",
-        "fa3 fp8 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}): fp8 rows must fill "
-        "128-byte swizzle lines",
+        "fa3 fp8 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}): it runs equal qk and vo, "
+        "padded to whole 128-byte swizzle lines, at the listed dims only",
         "use head dims " + _pairs(FA3_FP8_PREFILL_HEAD_DIMS) + ", or a 16-bit query and KV cache",
         lambda s: _fa3(s) and s.dtype_q.is_fp8 and _dims(s) not in FA3_FP8_PREFILL_HEAD_DIMS,
     ),
