@@ -56,18 +56,21 @@ def indptr_of(lens: list[int]) -> torch.Tensor:
 
 
 def paged_cache(k, v, kv_lens, page_size, dtype, gen):
-    """k [total_kv, heads, dim_qk], v [total_kv, heads, dim_vo] (fp32) in shuffled pages of NaN-filled pools, cast to dtype.
-    Returns (cache, indptr, page ids, last page lengths)."""
+    """k [total_kv, heads, dim_qk], v [total_kv, heads, dim_vo] (fp32) in shuffled pages of NaN-filled
+    pools, cast to dtype; a narrower V lives in pages of K's shape (the kernels share one row offset
+    per page), passed as the view v_pages[..., :dim_vo]. Returns (cache, indptr, page ids, last page
+    lengths)."""
     pages = [math.ceil(n / page_size) for n in kv_lens]
     pool = sum(pages) + 2
     ids = torch.randperm(pool, device=DEVICE, generator=gen)[: sum(pages)].to(torch.int32)
     indptr = indptr_of(pages).to(DEVICE)
     last = torch.tensor([n - (p - 1) * page_size for n, p in zip(kv_lens, pages)], dtype=torch.int32, device=DEVICE)
-    pools = [torch.full((pool, page_size, *x.shape[1:]), math.nan, device=DEVICE) for x in (k, v)]
+    pools = [torch.full((pool, page_size, *k.shape[1:]), math.nan, device=DEVICE) for _ in range(2)]
+    dim_vo = v.shape[-1]
     seq_lens = page.get_seq_lens(indptr, last, page_size)
     batch, positions = page.get_batch_indices_positions(indptr_of(kv_lens).to(DEVICE), seq_lens, k.shape[0])
-    page.append_paged_kv_cache(k, v, batch, positions, (pools[0], pools[1]), ids, indptr, last)
-    return tuple(x.to(dtype) for x in pools), indptr, ids, last
+    page.append_paged_kv_cache(k, v, batch, positions, (pools[0], pools[1][..., :dim_vo]), ids, indptr, last)
+    return (pools[0].to(dtype), pools[1].to(dtype)[..., :dim_vo]), indptr, ids, last
 
 
 def poisoned(rows: int, heads: int, dim: int, dtype: torch.dtype):
