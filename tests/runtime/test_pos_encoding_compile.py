@@ -17,20 +17,16 @@ from attnforge.loader import load_uncached
 pytestmark = pytest.mark.nvcc
 
 
-def test_rope_decode_compiles_and_loads(module_cache, monkeypatch):
-    spec = KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
-                      dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, pos_encoding=PosEncoding.ROPE_LLAMA,
-                      archs=(Arch.SM80,))
-    assert check(spec) == []
-    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(module_cache))
-    module = load_uncached(spec)
-    assert module.spec == spec
+SPECS = [
+    KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16, dtype_o=DType.BF16,
+               head_dim_qk=128, head_dim_vo=128, pos_encoding=PosEncoding.ROPE_LLAMA, archs=(Arch.SM80,)),
+    KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.E5M2, dtype_o=DType.BF16,
+               head_dim_qk=128, head_dim_vo=128, pos_encoding=PosEncoding.ROPE_LLAMA, archs=(Arch.SM90A,)),
+]
 
 
-def test_rope_prefill_over_an_fp8_cache_compiles_and_loads(module_cache, monkeypatch):
-    spec = KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.E5M2,
-                      dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, pos_encoding=PosEncoding.ROPE_LLAMA,
-                      archs=(Arch.SM90A,))
+@pytest.mark.parametrize("spec", SPECS, ids=["decode_sm80", "prefill_fp8_kv_sm90a"])
+def test_rope_module_compiles_and_loads(spec, module_cache, monkeypatch):
     assert check(spec) == []
     monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(module_cache))
     module = load_uncached(spec)
