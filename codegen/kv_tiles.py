@@ -39,7 +39,9 @@ def prefill_kv_tile(spec: KernelSpec, cta_tile_q: int, paged: bool) -> int:
     warps_kv = 4 // warps_q
     mma_q = cta_tile_q // (16 * warps_q)
     if warps_kv == 4:
-        mma_kv = (2 if spec.head_dim_qk <= 128 else 1) * (2 if spec.dtype_kv.is_fp8 else 1)
+        # an fp8 cache doubles the keys, unless RoPE adds its rotated fp16 K tile (kRotatedK16)
+        doubled = spec.dtype_kv.is_fp8 and spec.pos_encoding is not PosEncoding.ROPE_LLAMA
+        mma_kv = (2 if spec.head_dim_qk <= 128 else 1) * (2 if doubled else 1)
     else:
         mma_kv = 4 if mma_q == 2 else (8 if spec.head_dim_qk <= 128 else 4)
     return mma_kv * warps_kv * 16

@@ -223,16 +223,6 @@ RULES: tuple[Rule, ...] = (
         "use head dims " + _pairs(FA3_FP8_PREFILL_HEAD_DIMS) + ", or a 16-bit query and KV cache",
         lambda s: _fa3(s) and s.dtype_q.is_fp8 and _dims(s) not in FA3_FP8_PREFILL_HEAD_DIMS,
     ),
-    Rule(
-        "fa2-fp8-kv-no-rope",
-        "fa2 prefill keeps an fp8 KV cache fp8 in shared memory and widens it in registers, so it cannot "
-        "rotate K in the kernel; pos_encoding is {s.pos_encoding.value}",
-        "apply RoPE to k before quantizing it into the cache and use pos_encoding NONE, or a 16-bit KV cache; "
-        "to decode, use the CUDA-core decode kernel (kind decode, use_tensor_cores=False), which rotates fp8 K "
-        "in registers",
-        lambda s: (s.kind is Kind.PREFILL and s.backend is Backend.FA2 and s.dtype_kv.is_fp8
-                   and s.pos_encoding is PosEncoding.ROPE_LLAMA),
-    ),
 )
 
 RULES_BY_ID = {rule.id: rule for rule in RULES}

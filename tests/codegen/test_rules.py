@@ -38,7 +38,6 @@ EXAMPLES = {
     "decode-head-dims": dict(head_dim_qk=192, head_dim_vo=128),
     "decode-no-custom-mask": dict(use_custom_mask=True),
     "fa3-fp8-head-dims": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=80, head_dim_vo=80),
-    "fa2-fp8-kv-no-rope": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3, pos_encoding=PosEncoding.ROPE_LLAMA),
 }
 
 
@@ -306,14 +305,24 @@ def test_fa3_prefill_pos_encoding_refusal_names_reason_and_alternative(decode_sp
     assert "or backend fa2" in message
 
 
-def test_fa2_fp8_prefill_rope_refusal_points_at_the_decode_kernel(decode_spec):
-    spec = replace(decode_spec, kind=Kind.PREFILL, dtype_kv=DType.E4M3, pos_encoding=PosEncoding.ROPE_LLAMA)
-    assert [r.id for r in check(spec)] == ["fa2-fp8-kv-no-rope"]
-    message = str(_error(spec))
-    assert "cannot rotate K in the kernel; pos_encoding is ROPE_LLAMA" in message
-    assert "use_tensor_cores=False" in message and "16-bit KV cache" in message
-    # ALiBi needs no rotated K: fp8 prefill takes it.
-    assert check(replace(spec, pos_encoding=PosEncoding.ALIBI)) == []
+@pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("dims", sorted(FA2_FP8_KV_PREFILL_HEAD_DIMS))
+def test_fa2_fp8_prefill_takes_rope(decode_spec, dtype_kv, dims):
+    """fa2 prefill (and the tensor-core decode it serves) rotates an fp8 K tile into an fp16 copy
+    (issue 38): RoPE over an fp8 cache is accepted at every head-dim pair fp8 prefill has, with the
+    other variant flags too; the rule that refused it is gone."""
+    spec = replace(decode_spec, kind=Kind.PREFILL, dtype_kv=dtype_kv, head_dim_qk=dims[0], head_dim_vo=dims[1],
+                   pos_encoding=PosEncoding.ROPE_LLAMA)
+    assert check(spec) == []
+    assert check(replace(spec, use_sliding_window=True, use_logits_soft_cap=True, use_custom_mask=True)) == []
+    assert "fa2-fp8-kv-no-rope" not in RULES_BY_ID
+
+
+def test_fp8_rope_prefill_is_still_refused_off_its_head_dims(decode_spec):
+    """What stays refused is the fp8 head-dim rule's, not RoPE's: hd 80 is not a multiple of 32."""
+    spec = replace(decode_spec, kind=Kind.PREFILL, dtype_kv=DType.E4M3, head_dim_qk=80, head_dim_vo=80,
+                   pos_encoding=PosEncoding.ROPE_LLAMA)
+    assert [r.id for r in check(spec)] == ["fa2-fp8-kv-head-dims"]
 
 
 def _error(spec) -> UnsupportedSpecError:

@@ -57,6 +57,8 @@ DECODES = {
     "multi-token-fa3": DecodeLaunch(True, "fa3", q_len=3),
     "cuda-cores-sinks": DecodeLaunch(False, sinks=True),
     "cuda-cores-rope-page5": DecodeLaunch(False, page_size=5, pos_encoding_mode="ROPE_LLAMA"),
+    "tensor-cores-fa2-rope-fp8-kv-page5": DecodeLaunch(True, kv_dtype=E5M2, page_size=5,
+                                                       pos_encoding_mode="ROPE_LLAMA"),
 }
 
 
@@ -114,6 +116,7 @@ PREFILLS = {
     "fa2-rope": PrefillLaunch("fa2", 16, pos_encoding_mode="ROPE_LLAMA"),
     "fa2-alibi": PrefillLaunch("fa2", 16, pos_encoding_mode="ALIBI"),
     "fa2-fp8-kv": PrefillLaunch("fa2", 16, kv_dtype=E4M3),
+    "fa2-rope-fp8-kv": PrefillLaunch("fa2", 16, kv_dtype=E4M3, pos_encoding_mode="ROPE_LLAMA"),
     "fa3-paged": PrefillLaunch("fa3", 16),
     "fa3-paged-gathered-page5": PrefillLaunch("fa3", 5),
     "fa3-ragged": PrefillLaunch("fa3", None, causal=False),

@@ -12,7 +12,8 @@
 //   of tile i, V_{i+1} during Q.K of tile i+1 (FlashInfer's staggered loads), and two CTAs per SM
 //   hide the rest.
 //   An fp8 KV cache runs fp16 MMAs (prefill_mma.cuh); its k_scale / v_scale are the caller's (folded
-//   into sm_scale_log2, applied to o after the kernel).
+//   into sm_scale_log2, applied to o after the kernel: RoPE is linear, so a scalar k_scale commutes
+//   with rotating the unscaled fp8 K, which is what the kernel rotates).
 //   The kernel narrows [begin, end) to the keys its rows can see (causal, window), skips nothing
 //   else, and masks only tiles that straddle a boundary.
 //   Output: o (+ lse, base 2) or, when work_partial >= 0, fp32 partial rows (prefill_epilogue.cuh).
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   if constexpr (T::kFp8KV) {
     common::cp_async_wait<1>();  // Q has landed; K_0 stays in flight
     __syncthreads();
-    score_scale *= prepare_q_for_fp8_kv<T>(smem.tiles);
+    score_scale *= prepare_q_for_fp8_kv<T>(smem.tiles) / T::kRotatedKScale;
   }
 
   // Tiles from here on need no causal / window mask: every row sees every column.
@@ -143,11 +144,17 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     load_v(tile);
     common::cp_async_commit();
     if constexpr (T::kPosEncoding == kPosRopeLlama) {
-      rope_k_tile<T>(smem.tiles.k, first, p.rope_rcp_scale, p.rope_rcp_theta);
+      rope_k_tile<T>(smem.tiles, first, p.rope_rcp_scale, p.rope_rcp_theta);
       __syncthreads();
     }
+    const typename T::DTypeKScores* k_scores;
+    if constexpr (T::kRotatedK16) {
+      k_scores = smem.tiles.k16;
+    } else {
+      k_scores = smem.tiles.k;
+    }
     float s[T::kMmaQ][T::kMmaKV][8];
-    compute_scores<T>(smem.tiles.q, smem.tiles.k, warp_q, warp_kv, s);
+    compute_scores<T>(smem.tiles.q, k_scores, warp_q, warp_kv, s);
     if (tile + 1 < num_tiles) fill_offsets(tile + 1);
     common::cp_async_wait<0>();  // V_tile has landed
     __syncthreads();  // K is consumed (refill it while softmax and P.V run); the next table is written

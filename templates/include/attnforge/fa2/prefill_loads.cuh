@@ -1,6 +1,7 @@
 // Role: the FA2 prefill kernel's global -> shared copies: the paged KV row-offset table
 //   (fill_kv_offsets), one K or V tile by cp.async (load_kv_tile), the Q tile (load_q_tile,
-//   rotated on the way with RoPE), and the in-place RoPE of a landed K tile (rope_k_tile).
+//   rotated on the way with RoPE), and the RoPE of a landed K tile (rope_k_tile: in place, or an fp8
+//   tile into its fp16 copy).
 //
 // Contract:
 //   - Tiles land 128B-XOR-swizzled (common::Swizzle128) in PrefillTraits' layout. K/V rows at or
@@ -100,21 +101,43 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
   }
 }
 
-// Rotate the K tile in shared memory (RoPE at each key's position). Callers fence around it.
+// Rotate the landed K tile (RoPE at each key's position) into the tile compute_scores reads: in
+// place for a 16-bit cache; for an fp8 one, widened into the fp16 tile k16 (T::kRotatedK16, scaled
+// by T::kRotatedKScale), so fp8 K is rounded once, to fp16, after an exact widening and an fp32
+// rotation. Each thread takes one 8-element group of the first half of a row and its partner half a
+// head dim away. Callers fence around it.
 template <typename T>
-__device__ __forceinline__ void rope_k_tile(typename T::DTypeQ* k, int first, float rcp_scale, float rcp_theta) {
-  using Vec = common::Vec16<typename T::DTypeQ>;
-  constexpr int kHalf = T::kCellsQK / 2;
+__device__ __forceinline__ void rope_k_tile(typename T::Tiles& tiles, int first, float rcp_scale, float rcp_theta) {
+  using Out = common::Vec16<typename T::DTypeKScores>;
+  constexpr int kHalf = T::kHeadDimQK / 16;  // 8-element groups in half a row
+  typename T::DTypeKScores* out;
+  if constexpr (T::kRotatedK16) {
+    out = tiles.k16;
+  } else {
+    out = tiles.k;
+  }
+  // The group's address in the cache's tile (8 elements: a 16-bit cell, or half an fp8 cell).
+  auto group_ptr = [&](int row, int group) {
+    constexpr int kGroupsPerCell = T::kKVPerCell / 8;
+    return tiles.k + common::Swizzle128<T::kRowCellsQK>::cell(row, group / kGroupsPerCell) * T::kKVPerCell +
+           group % kGroupsPerCell * 8;
+  };
   for (int idx = threadIdx.x; idx < T::kTileKV * kHalf; idx += T::kThreads) {
-    const int row = idx / kHalf, cell = idx % kHalf;
-    auto* lo_ptr = reinterpret_cast<uint4*>(k + common::Swizzle128<T::kRowCellsQK>::cell(row, cell) * 8);
-    auto* hi_ptr = reinterpret_cast<uint4*>(k + common::Swizzle128<T::kRowCellsQK>::cell(row, cell + kHalf) * 8);
+    const int row = idx / kHalf, group = idx % kHalf;
     float lo[8], hi[8];
-    Vec::to_float(*lo_ptr, lo);
-    Vec::to_float(*hi_ptr, hi);
-    common::rope_rotate<T::kHeadDimQK>(lo, hi, first + row, cell * 8, rcp_scale, rcp_theta);
-    *lo_ptr = Vec::from_float(lo);
-    *hi_ptr = Vec::from_float(hi);
+    common::load_float8(group_ptr(row, group), lo);
+    common::load_float8(group_ptr(row, group + kHalf), hi);
+    common::rope_rotate<T::kHeadDimQK>(lo, hi, first + row, group * 8, rcp_scale, rcp_theta);
+    if constexpr (T::kRotatedKScale != 1.f) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        lo[e] *= T::kRotatedKScale;
+        hi[e] *= T::kRotatedKScale;
+      }
+    }
+    *reinterpret_cast<uint4*>(out + common::Swizzle128<T::kRowCellsKScores>::cell(row, group) * 8) = Out::from_float(lo);
+    *reinterpret_cast<uint4*>(out + common::Swizzle128<T::kRowCellsKScores>::cell(row, group + kHalf) * 8) =
+        Out::from_float(hi);
   }
 }
 

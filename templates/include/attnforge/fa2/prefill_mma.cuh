@@ -10,6 +10,9 @@
 //     one times a power of two, undone in the score scale) with the dims of every 16-dim chunk in
 //     the order the fp8 K fragments arrive in; a dot product does not depend on the order of its
 //     dims. o's columns then come out in the order V's do (o_col).
+//   - With RoPE over an fp8 cache, Q.K reads K's rotated fp16 tile (T::kRotatedK16,
+//     prefill_loads.cuh's rope_k_tile) in natural order, and q keeps its natural order too; V is
+//     read as above.
 //   - compute_scores returns raw fp32 dot products; accumulate_pv takes base-2 probabilities in the
 //     score fragment.
 //
@@ -52,10 +55,11 @@ __device__ __forceinline__ void widen_fp8_word(uint32_t word, uint32_t& lo, uint
 // 16-31); lane (g, t) gets dims 4t .. 4t + 3 of key g, which fill B's k slots 2t, 2t + 1 and
 // 2t + 8, 2t + 9: the dim order prepare_q_for_fp8_kv gave q.
 template <typename T>
-__device__ __forceinline__ void load_k_fragments(const typename T::DTypeKV* row, uint32_t (&b)[T::kChunksPerLoad][4]) {
+__device__ __forceinline__ void load_k_fragments(const typename T::DTypeKScores* row,
+                                                 uint32_t (&b)[T::kChunksPerLoadQK][4]) {
   uint32_t r[4];
   common::ldmatrix_x4(r, row);
-  if constexpr (T::kFp8KV) {
+  if constexpr (T::kFp8KFragments) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
 #pragma unroll
@@ -72,7 +76,7 @@ __device__ __forceinline__ void load_k_fragments(const typename T::DTypeKV* row,
 // hands lane (g, t) the byte pairs (dims 2g, 2g + 1) of keys 2t and 2t + 1; regrouped by dim, they
 // are the even dims 2g (first block) and the odd dims 2g + 1 (second), which o_col follows.
 template <typename T>
-__device__ __forceinline__ void load_v_fragments(const typename T::DTypeKV* row, uint32_t (&b)[T::kChunksPerLoad][4]) {
+__device__ __forceinline__ void load_v_fragments(const typename T::DTypeKV* row, uint32_t (&b)[T::kChunksPerLoadVO][4]) {
   uint32_t r[4];
   common::ldmatrix_x4_trans(r, row);
   if constexpr (T::kFp8KV) {
@@ -93,7 +97,8 @@ __device__ __forceinline__ void load_v_fragments(const typename T::DTypeKV* row,
 
 // fp8 cache: rewrite the landed Q tile (16-bit, Swizzle128) for the fp16 MMAs. Each 16-dim chunk
 // takes the order of load_k_fragments (stored dims 2t + j <- 4t + j, 2t + 8 + j <- 4t + 2 + j,
-// t < 4, j < 2: 32-bit words 0, 2, 4, 6, 1, 3, 5, 7); a bf16 q is multiplied by the power of two
+// t < 4, j < 2: 32-bit words 0, 2, 4, 6, 1, 3, 5, 7), or stays in order when K is rotated into
+// fp16 (kRotatedK16); a bf16 q is multiplied by the power of two
 // that brings the CTA's largest |q| into [2^13, 2^14) (fp16 then keeps bf16's 8 significant bits
 // down to 2^-24 of it). Returns what multiplies a score to undo it. Every Q copy must be visible
 // (a barrier after the wait); the caller's next barrier publishes the result.
@@ -132,22 +137,27 @@ __device__ __forceinline__ float prepare_q_for_fp8_kv(typename T::Tiles& tiles) 
     uint32_t w[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) w[i] = common::pack2<half>(f[2 * i] * scale, f[2 * i + 1] * scale);
-    *lo = make_uint4(w[0], w[2], w[4], w[6]);
-    *hi = make_uint4(w[1], w[3], w[5], w[7]);
+    if constexpr (T::kFp8KFragments) {
+      *lo = make_uint4(w[0], w[2], w[4], w[6]);
+      *hi = make_uint4(w[1], w[3], w[5], w[7]);
+    } else {
+      *lo = make_uint4(w[0], w[1], w[2], w[3]);
+      *hi = make_uint4(w[4], w[5], w[6], w[7]);
+    }
   }
   return __int_as_float((127 - shift) << 23);
 }
 
 // s = Q . K^T for this warp's rows and kv columns (raw dot products, fp32).
 template <typename T>
-__device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, const typename T::DTypeKV* k, int warp_q,
-                                               int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
-  constexpr int kChunks = T::kChunksPerLoad;
+__device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, const typename T::DTypeKScores* k,
+                                               int warp_q, int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
+  constexpr int kChunks = T::kChunksPerLoadQK;
   const int lane = threadIdx.x % 32;
   // Q: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
   const LaneCells<T::kRowCellsQ> qc(warp_q * T::kMmaQ * 16 + lane % 16, lane / 16);
   // K: matrices (kv 0-7, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 0), (kv 8-15, cell 1).
-  const LaneCells<T::kRowCellsQK> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const LaneCells<T::kRowCellsKScores> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
 #pragma unroll
   for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
@@ -168,7 +178,7 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, co
 #pragma unroll
     for (int mk = 0; mk < T::kMmaKV; ++mk) {
       uint32_t b[kChunks][4];
-      load_k_fragments<T>(k + kc.at(mk, step) * T::kKVPerCell, b);
+      load_k_fragments<T>(k + kc.at(mk, step) * T::kKScoresPerCell, b);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
@@ -187,7 +197,7 @@ template <typename T>
 __device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int warp_kv,
                                               const float (&s)[T::kMmaQ][T::kMmaKV][8], PrefillState<T>& st) {
   using DType = typename T::DTypeMma;
-  constexpr int kChunks = T::kChunksPerLoad;
+  constexpr int kChunks = T::kChunksPerLoadVO;
   const int lane = threadIdx.x % 32;
   // V, transposed: matrices (kv 0-7, cell 0), (kv 8-15, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 1).
   const LaneCells<T::kRowCellsVO> vc(warp_kv * T::kMmaKV * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);

@@ -7,8 +7,8 @@
 //     headers read these constants and pick none of their own.
 //   - The static_asserts reject a composition the codegen rules should have kept out, naming the
 //     rule where one exists.
-//   - Shared memory: one Q tile, one K tile and one V tile, each 128B-XOR-swizzled in rows of whole
-//     128-byte lines; the paged row offsets of the current and the next KV tile; and, for the
+//   - Shared memory: one Q tile, one K tile and one V tile (and, for RoPE over an fp8 cache, K's
+//     rotated fp16 copy), each 128B-XOR-swizzled in rows of whole 128-byte lines; the paged row offsets of the current and the next KV tile; and, for the
 //     column split (kWarpsKV > 1), the warps' (m, d, o) states, which overwrite the tiles once the
 //     last one is consumed. kMinCtasPerSm (two) CTAs must fit one SM.
 //
@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "../common/swizzle.cuh"
 
@@ -46,11 +47,20 @@ struct PrefillTraits {
   // The MMAs' 16-bit type: q's, or fp16 for an fp8 cache (which fp16 holds exactly, one cvt per
   // pair on sm89+; bf16 would take three more instructions per pair, per warp that reads it).
   using DTypeMma = std::conditional_t<kFp8KV, half, DTypeQ>;
+  // RoPE over an fp8 cache: each K tile is widened and rotated once, by the CTA, into an fp16 tile
+  // that Q.K then reads like a 16-bit cache's (rope_k_tile). Rotating in registers after widening
+  // would repeat the sincos of every key in each of the 4 row warps, and dims i and i + d/2 arrive
+  // in different k steps; the 16-bit path likewise rotates its K tile once, in place.
+  static constexpr bool kRotatedK16 = kFp8KV && kPosEncoding == kPosRopeLlama;
+  // The K tile compute_scores reads: the cache's, or the rotated fp16 one.
+  using DTypeKScores = std::conditional_t<kRotatedK16, half, DTypeKV>;
+  static constexpr bool kFp8KFragments = sizeof(DTypeKScores) == 1;  // K widened in registers
+  // A rotated e5m2 pair can exceed fp16's 65504 (|x cos - y sin| <= sqrt(2) x 57344): the fp16 K
+  // tile holds it halved, and the score scale doubles (exact: powers of two).
+  static constexpr float kRotatedKScale = kRotatedK16 && std::is_same_v<DTypeKV, __nv_fp8_e5m2> ? 0.5f : 1.f;
   static_assert(std::is_same_v<DTypeQ, DTypeKV> || kFp8KV,
                 "prefill dtypes: kv is q's 16-bit type or fp8 (rules mixed-16bit-qkv, fa2-no-fp8-q)");
   static_assert(sizeof(DTypeQ) == 2 && sizeof(DTypeO) == 2, "prefill dtypes: q and o are half or bf16 (fa2-no-fp8-q)");
-  static_assert(!kFp8KV || kPosEncoding != kPosRopeLlama,
-                "prefill fp8 KV: no in-kernel RoPE, K stays fp8 in shared memory (rule fa2-fp8-kv-no-rope)");
   static_assert(kCtaTileQ == 16 || kCtaTileQ == 64 || kCtaTileQ == 128, "prefill tile: kCtaTileQ is 16, 64 or 128");
   // Head dims are multiples of 16 (the MMAs' k step) up to 256; an fp8 cache's, of 32 (one
   // ldmatrix of K covers 32 one-byte dims). A row that does not fill whole 128-byte swizzle lines
@@ -78,8 +88,9 @@ struct PrefillTraits {
   //     96 KB; hd 224 pads to 256, hd 160 to 192: 72 KB);
   //   128-row tiles (two m16 blocks per warp, hd <= 192): 64 keys (hd 192: 96 KB).
   // Past hd 128 a 128-key tile would need 2 x (Q + 2 x 128 x 192 x 2 bytes) > 227 KB.
-  // An fp8 decode-shaped tile takes twice the keys: as many bytes per tile as a 16-bit one.
-  static constexpr int kMmaKV = kWarpsKV == 4 ? (kHeadDimQK <= 128 ? 2 : 1) * (kFp8KV ? 2 : 1)
+  // An fp8 decode-shaped tile takes twice the keys: as many bytes per tile as a 16-bit one (not
+  // with RoPE, whose fp16 K tile would then overflow two CTAs' shared memory).
+  static constexpr int kMmaKV = kWarpsKV == 4 ? (kHeadDimQK <= 128 ? 2 : 1) * (kFp8KV && !kRotatedK16 ? 2 : 1)
                                 : kMmaQ == 2  ? 4
                                               : (kHeadDimQK <= 128 ? 8 : 4);
   static constexpr int kTileKV = kMmaKV * kWarpsKV * 16;
@@ -92,15 +103,26 @@ struct PrefillTraits {
   // elements is padded; its padding is never copied or read).
   static constexpr int kRowCellsQK = common::swizzle_row_cells(kCopyCellsQK);
   static constexpr int kRowCellsVO = common::swizzle_row_cells(kCopyCellsVO);
+  // The tile compute_scores reads: elements per 16-byte cell and cells per row (kRowCellsQK unless
+  // K is rotated into fp16).
+  static constexpr int kKScoresPerCell = 16 / int(sizeof(DTypeKScores));
+  static constexpr int kRowCellsKScores = common::swizzle_row_cells(kHeadDimQK / kKScoresPerCell);
   // 16-dim chunks one ldmatrix_x4 of K or V covers (16 keys of 16-byte rows): one of 16-bit
   // elements, two of fp8.
-  static constexpr int kChunksPerLoad = kFp8KV ? 2 : 1;
+  static constexpr int kChunksPerLoadQK = kFp8KFragments ? 2 : 1;
+  static constexpr int kChunksPerLoadVO = kFp8KV ? 2 : 1;
   static constexpr int kMinCtasPerSm = 2;
   // Without a bias or cap the scores stay raw dot products until the softmax, which folds
   // sm_scale_log2 into the FFMA ahead of each exp2 (scaling commutes with the max: the scale is > 0).
   static constexpr bool kRawScores = !kSoftCap && kPosEncoding != kPosAlibi;
 
-  struct Tiles {
+  // RoPE over an fp8 cache: the rotated fp16 K tile, a base of Tiles so that it costs the other
+  // variants no bytes.
+  struct RotatedKTile {
+    alignas(16) half k16[kTileKV * kRowCellsKScores * 8];
+  };
+  struct NoRotatedKTile {};
+  struct Tiles : std::conditional_t<kRotatedK16, RotatedKTile, NoRotatedKTile> {
     alignas(16) DTypeMma q[kCtaTileQ * kRowCellsQ * 8];
     alignas(16) DTypeKV k[kTileKV * kRowCellsQK * kKVPerCell];
     alignas(16) DTypeKV v[kTileKV * kRowCellsVO * kKVPerCell];
