@@ -16,16 +16,18 @@ DECODE_WARPS = DECODE_THREADS // 32
 
 def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
     """Tokens per tile of the decode kernel serving heads_per_cta heads: 16 per warp on the
-    tensor-core tile (4-8 heads over rows of whole 128-byte lines), else 8 KB of K per tile."""
+    tensor-core tile (4-8 heads over rows of whole 128-byte lines, up to hd 256), else 8 KB of K per
+    tile."""
     kv_bytes = spec.dtype_kv.bytes
     vec = 16 // kv_bytes  # KV elements per 16-byte load
     cells = spec.head_dim_qk // vec
+    cells_per_lane = cells // 32 if cells > 32 else 1  # 16-bit hd 512: two cells on each of 32 lanes
     lanes = 1
-    while lanes < cells:
+    while lanes < cells // cells_per_lane:
         lanes *= 2
-    row_dim = lanes * vec
-    mma = (heads_per_cta >= 4 and row_dim == spec.head_dim_qk and lanes % 8 == 0
-           and (spec.head_dim_qk <= 128 or kv_bytes == 1))
+    row_dim = lanes * cells_per_lane * vec
+    mma = (heads_per_cta >= 4 and row_dim == spec.head_dim_qk and lanes % 8 == 0 and cells_per_lane == 1
+           and (spec.head_dim_qk <= 128 or (kv_bytes == 1 and spec.head_dim_qk <= 256)))
     return 16 * DECODE_WARPS if mma else 8192 // (row_dim * kv_bytes)
 
 
