@@ -1,7 +1,7 @@
 """Keys per kv tile of the FA2 kernels, which the split-KV planners round their chunks to.
 
 These mirror fa2/decode_traits.cuh (DecodeTraits::kTileTokens) and fa2/prefill_traits.cuh
-(PrefillTraits::kTileKV); FA3's is fa3_units.fa3_kv_tile. Every rendered variant static_asserts
+(PrefillTraits::kTileKV, and kVOSlices: prefill_vo_slices); FA3's is fa3_units.fa3_kv_tile. Every rendered variant static_asserts
 the value it was rendered with, so a change on one side that the other misses fails the build.
 """
 
@@ -41,6 +41,19 @@ def prefill_kv_tile(spec: KernelSpec, cta_tile_q: int, paged: bool) -> int:
     mma_q = cta_tile_q // (16 * warps_q)
     if warps_kv == 4:
         mma_kv = (2 if spec.head_dim_qk <= 128 else 1) * (2 if spec.dtype_kv.is_fp8 else 1)
+    elif mma_q == 2:
+        mma_kv = 4
+    elif prefill_vo_slices(spec) > 1:
+        mma_kv = 2  # hd 512: Q 64 + K 32 + V slice 16 = 112 KB
     else:
-        mma_kv = 4 if mma_q == 2 else (8 if spec.head_dim_qk <= 128 else 4)
+        mma_kv = 8 if spec.head_dim_qk <= 128 else 4
     return mma_kv * warps_kv * 16
+
+
+def prefill_vo_slices(spec: KernelSpec) -> int:
+    """CTAs that share a prefill work item, each over a slice of o's columns (grid z; fa2 only): two
+    256-column slices at head dim 512, whose fp32 o for 16 rows would otherwise take 256 registers a
+    thread; one below (PrefillTraits::kVOSlices)."""
+    if spec.backend is Backend.FA3:
+        return 1
+    return 2 if spec.head_dim_vo > 256 else 1
