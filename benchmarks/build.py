@@ -43,7 +43,7 @@ def nvcc_version() -> str:
 
 def cold_rows(args) -> tuple[list[dict], list[str]]:
     """One row per (arch, family, head dim) to cold-build, and a line for each the rules refuse (fa3 off
-    sm90a, fp8 fa3 at head dim 64, ...)."""
+    sm90a, fp8 fa3 at head dim 80, ...)."""
     rows, refused = [], []
     for arch in args.arch:
         for family in map(_cold_build.family, args.families or _cold_build.FAMILY_KEYS):

@@ -23,8 +23,8 @@ CUTE_BASE_WGMMA_WIDTHS = frozenset((8, 16, 32, 64, 96, 128, 192, 256))
 
 def fa3_cta_tile(spec: KernelSpec) -> int:
     """The FA3 kernel's one tile: a consumer warpgroup per 64 rows, three at 16-bit head dim 64, at
-    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (fa3/traits.cuh,
-    PrefillTraits::kConsumerWarpgroups), else two."""
+    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (64 and 96 on the
+    padded tile dim 128; fa3/traits.cuh, PrefillTraits::kConsumerWarpgroups), else two."""
     if spec.dtype_kv.is_fp8:
         three = spec.head_dim_vo <= 128
     else:
@@ -35,16 +35,19 @@ def fa3_cta_tile(spec: KernelSpec) -> int:
 
 def fa3_tile_dim(spec: KernelSpec, head_dim: int) -> int:
     """A head dim as the kernel's tiles hold it (PrefillTraits::kTileDimQK/VO): whole 128-byte
-    column blocks, 64 16-bit or 128 fp8 elements (16-bit 80-112 -> 128, 160 -> 192, 224 -> 256)."""
+    column blocks, 64 16-bit or 128 fp8 elements (16-bit 80-112 -> 128, 160 -> 192, 224 -> 256;
+    fp8 64, 96 -> 128, 192 -> 256: the fp8 wgmma's K-major operands and V^T's rows of 128 keys use
+    the 128-byte swizzle alone, so fp8 hd 64 and 96 run the hd 128 kernel's tiles, their padding
+    zero-filled like 16-bit padding). The rendered units static_assert it."""
     line = 128 // spec.dtype_kv.bytes
     return -(-head_dim // line) * line
 
 
 def fa3_kv_tile(spec: KernelSpec, paged: bool) -> int:
-    """Keys per tile (PrefillTraits::kBlockN): 128, 64 for 16-bit tile dims over 320 in all, of which
-    ragged kernels without soft cap or window take 80."""
-    head_dims = fa3_tile_dim(spec, spec.head_dim_qk) + fa3_tile_dim(spec, spec.head_dim_vo)
-    if spec.dtype_kv.is_fp8 or head_dims <= 320:
+    """Keys per tile (PrefillTraits::kBlockN): 128, 64 for 16-bit tile dims over 320 in all or a qk
+    tile dim over 192, of which ragged kernels without soft cap or window take 80."""
+    tile_qk = fa3_tile_dim(spec, spec.head_dim_qk)
+    if spec.dtype_kv.is_fp8 or (tile_qk + fa3_tile_dim(spec, spec.head_dim_vo) <= 320 and tile_qk <= 192):
         return 128
     wide = not paged and not spec.use_logits_soft_cap and not spec.use_sliding_window
     return 80 if wide else 64

@@ -8,7 +8,7 @@ the value it was rendered with, so a change on one side that the other misses fa
 from __future__ import annotations
 
 from .fa3_units import fa3_kv_tile
-from .spec import Backend, KernelSpec
+from .spec import Backend, KernelSpec, PosEncoding
 
 DECODE_THREADS = 128
 DECODE_WARPS = DECODE_THREADS // 32
@@ -16,8 +16,8 @@ DECODE_WARPS = DECODE_THREADS // 32
 
 def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
     """Tokens per tile of the decode kernel serving heads_per_cta heads: 16 per warp on the
-    tensor-core tile (4-8 heads over rows of whole 128-byte lines, up to hd 256), else 8 KB of K per
-    tile."""
+    tensor-core tile (4-8 heads over rows of whole 128-byte lines up to hd 256, without in-kernel
+    position encoding, which rotates K cells on the CUDA-core tile), else 8 KB of K per tile."""
     kv_bytes = spec.dtype_kv.bytes
     vec = 16 // kv_bytes  # KV elements per 16-byte load
     cells = spec.head_dim_qk // vec
@@ -27,7 +27,8 @@ def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
         lanes *= 2
     row_dim = lanes * cells_per_lane * vec
     mma = (heads_per_cta >= 4 and row_dim == spec.head_dim_qk and lanes % 8 == 0 and cells_per_lane == 1
-           and (spec.head_dim_qk <= 128 or (kv_bytes == 1 and spec.head_dim_qk <= 256)))
+           and (spec.head_dim_qk <= 128 or (kv_bytes == 1 and spec.head_dim_qk <= 256))
+           and spec.pos_encoding is PosEncoding.NONE)
     return 16 * DECODE_WARPS if mma else 8192 // (row_dim * kv_bytes)
 
 

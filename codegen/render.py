@@ -17,7 +17,7 @@ from pathlib import Path
 import jinja2
 
 from . import abi
-from .fa3_units import INSTANCES, Instance, fa3_cta_tile, fa3_extended_wgmma, fa3_instances, fa3_kv_tile
+from .fa3_units import INSTANCES, Instance, fa3_cta_tile, fa3_extended_wgmma, fa3_instances, fa3_kv_tile, fa3_tile_dim
 from .kv_tiles import decode_kv_tile, prefill_kv_tile, prefill_vo_slices
 from .rules import ensure_valid
 from .sources import source_hash, templates_dir
@@ -102,6 +102,7 @@ def prefill_variant(spec: KernelSpec, tile: int, paged: bool) -> Variant:
                                                                     ("vo_slices", prefill_vo_slices(spec))))
     instances = fa3_instances(spec, paged)
     context += (("kv_tile", fa3_kv_tile(spec, paged)), ("extended_wgmma", fa3_extended_wgmma(spec, paged)),
+                ("tile_dims", (fa3_tile_dim(spec, spec.head_dim_qk), fa3_tile_dim(spec, spec.head_dim_vo))),
                 ("instance_flags", tuple((instance.flag, instance in instances) for instance in INSTANCES)))
     return Variant(name, "prefill_variant_fa3.cu.jinja", context, instances)
 

@@ -18,18 +18,23 @@ from .spec import Arch, Backend, Kind, KernelSpec, PosEncoding
 HEAD_DIMS = (64, 80, 96, 112, 128, 160, 192, 224, 256)
 # The largest head dim a prefill row's fp32 o accumulator leaves room for in one warp's registers.
 PREFILL_MAX_HEAD_DIM = 256
+# Prefill kernels size Q/K and V/O separately, so any qk >= vo pair of listed dims runs (MLA-like
+# (192, 128) among them); a vo wider than qk is refused: no model has one.
+HEAD_DIM_PAIRS = frozenset((qk, vo) for qk in HEAD_DIMS for vo in HEAD_DIMS if qk >= vo)
 # Wider dims fa2 runs (Gemma's 512): decode spreads a row over two cells a lane; prefill splits o's
 # columns over CTAs of 256 each (fa2/prefill_traits.cuh kVOSlices), so o fits as at hd 256.
 FA2_WIDE_HEAD_DIMS = frozenset({(512, 512)})
-FA2_PREFILL_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS} | {(192, 128)} | FA2_WIDE_HEAD_DIMS)
-FA3_PREFILL_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS} | {(192, 128)})
+FA2_PREFILL_HEAD_DIMS = HEAD_DIM_PAIRS | FA2_WIDE_HEAD_DIMS
+FA3_PREFILL_HEAD_DIMS = HEAD_DIM_PAIRS
+# The CUDA-core decode kernel holds one head dim for q, k and v.
 DECODE_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS}) | FA2_WIDE_HEAD_DIMS
 # Archs whose CTAs get less shared memory (99 KB) than an fa2 hd 512 prefill tile takes (~113 KB).
 SMALL_SMEM_ARCHS = frozenset({Arch.SM86, Arch.SM89})
 # fa2 prefill with an fp8 cache: one ldmatrix of K covers 32 one-byte dims.
 FA2_FP8_KV_PREFILL_HEAD_DIMS = frozenset(dims for dims in FA2_PREFILL_HEAD_DIMS if dims[0] % 32 == 0 and dims[1] % 32 == 0)
-# fp8 fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 would need a 64-byte swizzle.
-FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(128, 128), (256, 256)})
+# fp8 fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 and 96 run on a tile dim of 128, 192
+# on 256 (zero-filled columns, fa3/traits.cuh kTileDimQK/VO), qk and vo equal.
+FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(64, 64), (96, 96), (128, 128), (192, 192), (256, 256)})
 
 
 def _off_grid(s) -> bool:
@@ -84,7 +89,16 @@ def _dims(s: KernelSpec) -> tuple[int, int]:
 
 
 def _pairs(dims: frozenset) -> str:
-    return ", ".join(f"{qk}" if qk == vo else f"({qk},{vo})" for qk, vo in sorted(dims))
+    """A listed set in words: its equal dims, or every qk >= vo pair of them (no set lists some pairs),
+    then fa2's wide dims (512) where the set holds them."""
+    wide = sorted(qk for qk, vo in dims & FA2_WIDE_HEAD_DIMS)
+    if wide and dims - FA2_WIDE_HEAD_DIMS:
+        return _pairs(dims - FA2_WIDE_HEAD_DIMS) + ", and " + ", ".join(map(str, wide))
+    equal = sorted(qk for qk, vo in dims if qk == vo)
+    if dims == frozenset((qk, vo) for qk in equal for vo in equal if qk >= vo) and len(equal) > 1:
+        return "(qk, vo) with qk >= vo, both of " + ", ".join(map(str, equal))
+    assert dims == frozenset((d, d) for d in equal), "a head-dim set is its equal pairs or all qk >= vo pairs of them"
+    return ", ".join(map(str, equal))
 
 
 RULES: tuple[Rule, ...] = (
@@ -221,7 +235,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "decode-head-dims",
         "the decode kernel has no instance for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
-        "use head dim " + _pairs(DECODE_HEAD_DIMS) + " (qk and vo equal)",
+        "use head dim " + _pairs(DECODE_HEAD_DIMS) + " (qk and vo equal), or use_tensor_cores=True, whose prefill "
+        "kernels take (qk, vo) pairs",
         lambda s: s.kind is Kind.DECODE and not _off_grid(s) and _dims(s) not in DECODE_HEAD_DIMS,
     ),
     Rule(
@@ -232,8 +247,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "fa3-fp8-head-dims",
-        "fa3 fp8 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}): fp8 rows must fill "
-        "128-byte swizzle lines",
+        "fa3 fp8 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}): it runs equal qk and vo, "
+        "padded to whole 128-byte swizzle lines, at the listed dims only",
         "use head dims " + _pairs(FA3_FP8_PREFILL_HEAD_DIMS) + ", or a 16-bit query and KV cache",
         lambda s: _fa3(s) and s.dtype_q.is_fp8 and _dims(s) not in FA3_FP8_PREFILL_HEAD_DIMS,
     ),

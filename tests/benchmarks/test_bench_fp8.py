@@ -19,9 +19,13 @@ def test_defaults_are_the_acceptance_config():
 
 def test_head_dims_refuse_one_without_an_fp8_kernel(capsys):
     with pytest.raises(SystemExit) as info:
-        fp8.parse_args(["--head-dims", "64"])
+        fp8.parse_args(["--head-dims", "80"])
     assert info.value.code == 2
     assert "--head-dims" in capsys.readouterr().err
+
+
+def test_head_dims_take_every_fa3_fp8_dim():
+    assert fp8.parse_args(["--head-dims", "64", "96", "192"]).head_dims == [64, 96, 192]
 
 
 def test_shapes_parse_like_bench_prefill(capsys):

@@ -31,16 +31,17 @@ def _supported_dims(kind, backend, dtype_q, dtype_kv):
 
 
 def test_supported_prefill_head_dims():
-    """Every common head dim (and (192, 128)) on fa2 and fa3 16-bit, and 512 on fa2; fp8 fa2 caches
-    at multiples of 32; fa3 fp8 at 128 and 256 only."""
-    common = {(d, d) for d in COMMON} | {(192, 128)}
+    """Every common head dim and the matrix's qk > vo pairs on fa2 and fa3 16-bit, and 512 on fa2; fp8
+    fa2 caches at multiples of 32; fa3 fp8 (either format) at 64, 96, 128, 192 and 256, qk = vo."""
+    common = {(d, d) for d in COMMON} | {(192, 128), (256, 128), (128, 64)}
     for backend in Backend:
         for dtype in (DType.FP16, DType.BF16):
             wide = {(512, 512)} if backend is Backend.FA2 else set()
             assert _supported_dims(Kind.PREFILL, backend, dtype, dtype) == common | wide
     assert _supported_dims(Kind.PREFILL, Backend.FA2, DType.BF16, DType.E4M3) == {
         dims for dims in common | {(512, 512)} if dims[0] % 32 == 0 and dims[1] % 32 == 0}
-    assert _supported_dims(Kind.PREFILL, Backend.FA3, DType.E4M3, DType.E4M3) == {(128, 128), (256, 256)}
+    for fp8 in (DType.E4M3, DType.E5M2):
+        assert _supported_dims(Kind.PREFILL, Backend.FA3, fp8, fp8) == {(d, d) for d in (64, 96, 128, 192, 256)}
 
 
 def test_matrix_names_the_rule_of_each_refused_head_dim():

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnforge.codegen.dtypes import DType
-from attnforge.codegen.rules import (FA2_FP8_KV_PREFILL_HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
+from attnforge.codegen.rules import (FA2_FP8_KV_PREFILL_HEAD_DIMS, HEAD_DIMS, RULES, RULES_BY_ID, UnsupportedSpecError, check,
                                       ensure_valid)
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 
@@ -39,7 +39,7 @@ EXAMPLES = {
     "decode-is-fa2": dict(backend=Backend.FA3, archs=(Arch.SM90A,)),
     "decode-head-dims": dict(head_dim_qk=192, head_dim_vo=128),
     "decode-no-custom-mask": dict(use_custom_mask=True),
-    "fa3-fp8-head-dims": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64),
+    "fa3-fp8-head-dims": dict(FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=80, head_dim_vo=80),
     "fa2-fp8-kv-no-rope": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3, pos_encoding=PosEncoding.ROPE_LLAMA),
 }
 
@@ -57,11 +57,23 @@ def test_rule_fires(decode_spec, rule_id):
     assert rule_id in info.value.rule_ids
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_fa3_e4m3_prefill_is_valid(decode_spec, head_dim):
-    spec = replace(decode_spec, **FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, dtype_o=DType.BF16,
+@pytest.mark.parametrize("fp8", [DType.E4M3, DType.E5M2])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_fa3_fp8_prefill_is_valid(decode_spec, head_dim, fp8):
+    """Issue 38: fp8 fa3 at the common head dims, 64 and 96 on the hd 128 tiles, 192 on hd 256's."""
+    spec = replace(decode_spec, **FA3, dtype_q=fp8, dtype_kv=fp8, dtype_o=DType.BF16,
                    head_dim_qk=head_dim, head_dim_vo=head_dim)
     assert check(spec) == []
+
+
+@pytest.mark.parametrize("dims", [(80, 80), (112, 112), (160, 160), (224, 224), (192, 128), (128, 64)])
+def test_fa3_fp8_refuses_unlisted_dims_and_lists_the_others(decode_spec, dims):
+    spec = replace(decode_spec, **FA3, dtype_q=DType.E4M3, dtype_kv=DType.E4M3, dtype_o=DType.BF16,
+                   head_dim_qk=dims[0], head_dim_vo=dims[1])
+    with pytest.raises(UnsupportedSpecError) as info:
+        ensure_valid(spec)
+    assert info.value.rule_ids == ["fa3-fp8-head-dims"]
+    assert "use head dims 64, 96, 128, 192, 256," in str(info.value)
 
 
 def test_valid_decode_spec_passes(decode_spec):
@@ -224,13 +236,13 @@ def test_new_head_dims_pass_every_16bit_family(decode_spec, head_dim, dtype):
 @pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
 @pytest.mark.parametrize("dtype_kv", [DType.E4M3, DType.E5M2])
 def test_fp8_caches_at_new_head_dims(decode_spec, head_dim, dtype_kv):
-    """Decode dequantizes any head dim; fa2 prefill needs multiples of 32; fa3 fp8 keeps 128 and 256."""
+    """Decode dequantizes any head dim; fa2 prefill needs multiples of 32; fa3 fp8 takes 96 and 192 of them."""
     base = replace(decode_spec, dtype_kv=dtype_kv, head_dim_qk=head_dim, head_dim_vo=head_dim)
     assert check(base) == []
     prefill = [r.id for r in check(replace(base, kind=Kind.PREFILL))]
     assert prefill == ([] if head_dim % 32 == 0 else ["fa2-fp8-kv-head-dims"])
     fa3 = [r.id for r in check(replace(base, **FA3, dtype_q=dtype_kv, dtype_o=DType.BF16))]
-    assert fa3 == ["fa3-fp8-head-dims"]
+    assert fa3 == ([] if head_dim in (96, 192) else ["fa3-fp8-head-dims"])
 
 
 @pytest.mark.parametrize(("kind", "backend", "dims", "rule_id", "words"), [
@@ -241,10 +253,10 @@ def test_fp8_caches_at_new_head_dims(decode_spec, head_dim, dtype_kv):
     (Kind.PREFILL, Backend.FA2, (384, 384), "prefill-head-dims-max-256", ["fa2 prefill", "registers", "but 512"]),
     (Kind.PREFILL, Backend.FA3, (512, 512), "fa3-head-dim-512", ["head dim 512", "256 registers", "backend fa2"]),
     (Kind.PREFILL, Backend.FA2, (512, 256), "prefill-head-dims-max-256", ["qk 512, vo 256"]),
-    (Kind.PREFILL, Backend.FA3, (144, 144), "fa3-head-dims", ["qk 144, vo 144", "160", "(192,128)", "backend fa2"]),
-    (Kind.PREFILL, Backend.FA2, (128, 192), "fa2-prefill-head-dims", ["qk 128, vo 192", "224"]),
+    (Kind.PREFILL, Backend.FA3, (144, 144), "fa3-head-dims", ["qk 144, vo 144", "160", "qk >= vo", "backend fa2"]),
+    (Kind.PREFILL, Backend.FA2, (128, 192), "fa2-prefill-head-dims", ["qk 128, vo 192", "224", "qk >= vo"]),
     (Kind.DECODE, Backend.FA2, (384, 384), "decode-head-dims", ["qk 384, vo 384", "qk and vo equal", "512"]),
-    (Kind.DECODE, Backend.FA2, (192, 128), "decode-head-dims", ["vo 128"]),
+    (Kind.DECODE, Backend.FA2, (192, 128), "decode-head-dims", ["vo 128", "use_tensor_cores=True"]),
     # off the 16-grid and wider than every listed dim: the width rule alone (nothing to pad to)
     (Kind.PREFILL, Backend.FA2, (264, 264), "prefill-head-dims-max-256", ["qk 264, vo 264", "up to 256"]),
     (Kind.PREFILL, Backend.FA3, (520, 520), "prefill-head-dims-max-256", ["fa3 prefill", "above head dim 256"]),
@@ -312,6 +324,16 @@ def _error(spec) -> UnsupportedSpecError:
     with pytest.raises(UnsupportedSpecError) as info:
         ensure_valid(spec)
     return info.value
+
+
+@pytest.mark.parametrize("backend", [Backend.FA2, Backend.FA3])
+def test_prefill_takes_every_qk_at_least_vo_pair(decode_spec, backend):
+    """Prefill sizes Q/K and V/O apart: any listed pair with qk >= vo has a 16-bit kernel, vo > qk none."""
+    archs = (Arch.SM90A,) if backend is Backend.FA3 else (Arch.SM80,)
+    for qk in HEAD_DIMS:
+        for vo in HEAD_DIMS:
+            spec = replace(decode_spec, kind=Kind.PREFILL, backend=backend, archs=archs, head_dim_qk=qk, head_dim_vo=vo)
+            assert (check(spec) == []) == (qk >= vo), (qk, vo)
 
 
 # ---------------------------------------------------------------------------------------

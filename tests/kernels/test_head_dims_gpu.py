@@ -1,7 +1,7 @@
 """Every padded head dim (80, 96, 112, 160, 192, 224: rows that do not fill whole 128-byte lines or
-power-of-two lane groups) in every kernel family, and head dim 512 in fa2's (decode rows of two cells
-a lane; prefill o split over two CTAs, each storing its half of the columns, one the lse), against
-attnforge.reference.
+power-of-two lane groups) in every kernel family, fa3 fp8 at 64, 96 and 192 (tile dims 128 and
+256), and head dim 512 in fa2's (decode rows of two cells a lane; prefill o split over two CTAs, each
+storing its half of the columns, one the lse), against attnforge.reference.
 
 The modules are those of head_dims_manifest.toml beside this file (build them at once first:
 `attnforge build --manifest tests/kernels/head_dims_manifest.toml`). Shapes reach the padding's edge
@@ -21,6 +21,7 @@ import torch
 
 import attnforge
 from attnforge import page, reference
+from attnforge import prefill_plan_steps as plan_steps
 from attnforge.codegen import manifest
 from attnforge.codegen.spec import Backend, Kind
 
@@ -30,16 +31,16 @@ DEVICE = "cuda"
 WORKSPACE = 128 << 20
 QO_LENS, KV_LENS = [1, 37, 130], [45, 300, 161]
 DECODE_KV_LENS = [45, 1000, 161]  # the 1000-key request splits (fixed_split_size), so the merge runs
-TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # relative L2 error of o against the fp32 reference, by the cache's dtype (bf16 / fp16 rounding; an
 # fp8 cache's own rounding is in the reference's input, the query stays bf16)
 REL_L2_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float8_e4m3fn: 1e-2}
 SPECS = manifest.load(Path(__file__).with_name("head_dims_manifest.toml")).specs
 
 
-def _specs(kind: Kind, backend: Backend) -> list:
+def _specs(kind: Kind, backend: Backend, fp8_q: bool = False) -> list:
     """The plain modules of a family (plans without a mask, window or cap load those)."""
-    return [s for s in SPECS if s.kind is kind and s.backend is backend
+    return [s for s in SPECS if s.kind is kind and s.backend is backend and s.dtype_q.is_fp8 == fp8_q
             and not (s.use_custom_mask or s.use_sliding_window or s.use_logits_soft_cap)]
 
 
@@ -168,6 +169,109 @@ def test_fa3_prefill_gqa3_gathers_q(spec):
     """GQA 3: a group that does not divide the tile, so fa3 gathers Q with cp.async (its padding
     cells zero-filled) instead of boxing it."""
     _prefill(spec, "paged", True, heads=(6, 2))
+
+
+# fa3 fp8: q, k, v of one fp8 format, each randn divided by its scale and rounded (the tensor stands
+# for fp8 value x scale), bf16 o, against the reference fed the dequantized values (fp32). What is
+# left is P's e4m3 rounding (3 mantissa bits), the fp8 wgmma's accumulation and the bf16 output: the
+# bounds of test_fa3_fp8_gpu.py (relative L2; max abs in units of max |v|).
+FP8_SCALES = dict(q_scale=0.5, k_scale=2.0, v_scale=0.75)
+FP8_REL_L2_TOL, FP8_MAX_ABS_TOL = 3e-2, 0.1
+# The longest request spans several q tiles (9 of 192 rows, 13 of 128 at group 4), so the plan
+# transposes V ahead unless told not to; ragged, the 161- and 300-key requests split into 64-key
+# chunks (fixed_split_size 64 pages of one token), so partial rows of the padded tile are merged.
+FP8_QO_LENS = [1, 37, 400]
+
+
+def assert_close_fp8(out, lse, o_ref, lse_ref, v_max: float, what: str) -> None:
+    nan_cols = out.isnan().any(dim=0).any(dim=0).nonzero().flatten().tolist()
+    assert not nan_cols, f"{what}: o columns left unwritten or read NaN: {nan_cols[:16]}"
+    assert not lse.isnan().any(), f"{what}: lse rows left unwritten"
+    diff = out.float() - o_ref.float()
+    rel_l2, max_abs = (diff.norm() / o_ref.float().norm()).item(), diff.abs().max().item()
+    assert rel_l2 <= FP8_REL_L2_TOL, f"{what}: relative L2 error {rel_l2:.3g} > {FP8_REL_L2_TOL}"
+    assert max_abs <= FP8_MAX_ABS_TOL * v_max, f"{what}: max abs error {max_abs:.3g} > {FP8_MAX_ABS_TOL} x {v_max:.3g}"
+    torch.testing.assert_close(lse, lse_ref.float(), atol=2e-2, rtol=1e-3, msg=lambda m: f"{what}: lse: {m}")
+
+
+def transposes_v_ahead(monkeypatch, ahead: bool) -> list:
+    """Whether plan() may transpose V ahead (its own decision) or not (forced off); returns the list
+    of its decisions (None: the kernel transposes)."""
+    planned = []
+    real = plan_steps.transposed_v_blocks
+    monkeypatch.setattr(plan_steps, "transposed_v_blocks",
+                        lambda *args: planned.append(real(*args) if ahead else None) or planned[-1])
+    return planned
+
+
+@pytest.mark.parametrize("v_ahead", [False, True], ids=["kernel_transposes", "v_transposed_ahead"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", ["paged", "paged-page5", "ragged"])
+@pytest.mark.parametrize("spec", _specs(Kind.PREFILL, Backend.FA3, fp8_q=True), ids=_id)
+def test_fa3_fp8_prefill(spec, layout, causal, v_ahead, monkeypatch):
+    """fa3 fp8 on a padded tile dim: paged with 16-token pages (K and V rows boxed by TMA, V
+    transposed from its staging buffers), with 5-token pages (gathered by cp.async, V transposed on
+    the way), ragged (TMA boxes); V transposed by the kernel or ahead of it (one box of the real
+    dims per tile). GQA 4, NaN outputs and NaN cache rows no request owns."""
+    dim, fp8 = spec.head_dim_qk, TORCH_DTYPE[spec.dtype_q.short]
+    page_size = 5 if layout.endswith("page5") else 16
+    gen = torch.Generator(device=DEVICE).manual_seed(dim + causal)
+    heads = (8, 2)
+    q = (randn(gen, sum(FP8_QO_LENS), heads[0], dim) / FP8_SCALES["q_scale"]).to(fp8)
+    k, v = (randn(gen, sum(KV_LENS), heads[1], dim) / FP8_SCALES[name] for name in ("k_scale", "v_scale"))
+    planned = transposes_v_ahead(monkeypatch, v_ahead)
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
+    options = dict(causal=causal, q_data_type=fp8, kv_data_type=fp8, o_data_type=torch.bfloat16, fixed_split_size=64)
+    out, lse = poisoned(q.shape[0], heads[0], dim, torch.bfloat16)
+    q_ref = q.float() * FP8_SCALES["q_scale"]
+    if layout == "ragged":
+        k_in, v_in = k.to(fp8), v.to(fp8)
+        wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend="fa3")
+        wrapper.plan(indptr_of(FP8_QO_LENS), indptr_of(KV_LENS), *heads, dim, **options)
+        wrapper.run(q, k_in, v_in, out=out, lse=lse, return_lse=True, **FP8_SCALES)
+        o_ref, lse_ref = reference.batch_prefill_ragged(
+            q_ref, k_in.float() * FP8_SCALES["k_scale"], v_in.float() * FP8_SCALES["v_scale"], indptr_of(FP8_QO_LENS),
+            indptr_of(KV_LENS), causal=causal, o_dtype=torch.float32)
+        v_max = (v_in.float() * FP8_SCALES["v_scale"]).abs().max().item()
+    else:
+        cache, indptr, ids, last = paged_cache(k, v, KV_LENS, page_size, fp8, gen)
+        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend="fa3")
+        wrapper.plan(indptr_of(FP8_QO_LENS), indptr, ids, last, *heads, dim, page_size, **options)
+        wrapper.run(q, cache, out=out, lse=lse, return_lse=True, **FP8_SCALES)
+        dequantized = (cache[0].float() * FP8_SCALES["k_scale"], cache[1].float() * FP8_SCALES["v_scale"])
+        o_ref, lse_ref = reference.batch_prefill_paged(q_ref, dequantized, indptr_of(FP8_QO_LENS), indptr, ids, last,
+                                                       causal=causal, o_dtype=torch.float32)
+        v_max = v.to(fp8).float().abs().max().item() * FP8_SCALES["v_scale"]
+    assert len(planned) == 1 and (planned[0] is not None) == v_ahead, "the plan transposes V ahead when let"
+    what = f"fa3 fp8 prefill {layout} {_id(spec)} causal={causal} v_ahead={v_ahead}"
+    assert_close_fp8(out, lse, o_ref, lse_ref, v_max, what)
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+@pytest.mark.parametrize("group", [4, 16])
+@pytest.mark.parametrize("spec", _specs(Kind.PREFILL, Backend.FA3, fp8_q=True), ids=_id)
+def test_fa3_fp8_tensor_core_decode(spec, group, page_size):
+    """Tensor-core decode on fa3 fp8 (the decode instantiations: group 4 with the keys along M at
+    tile dim 128, in warp 0 of the 64-row tiles at 256; group 16 in the 64-row tiles), split into
+    8-page chunks so the 1000-key request's partial rows are merged."""
+    dim, fp8 = spec.head_dim_qk, TORCH_DTYPE[spec.dtype_q.short]
+    gen = torch.Generator(device=DEVICE).manual_seed(dim + group)
+    heads = (2 * group, 2)
+    k, v = (randn(gen, sum(DECODE_KV_LENS), heads[1], dim) / FP8_SCALES[name] for name in ("k_scale", "v_scale"))
+    cache, indptr, ids, last = paged_cache(k, v, DECODE_KV_LENS, page_size, fp8, gen)
+    q = (randn(gen, len(DECODE_KV_LENS), heads[0], dim) / FP8_SCALES["q_scale"]).to(fp8)
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE),
+                                                           use_tensor_cores=True, backend="fa3")
+    wrapper.plan(indptr, ids, last, *heads, dim, page_size, q_data_type=fp8, kv_data_type=fp8,
+                 o_data_type=torch.bfloat16, fixed_split_size=8)
+    out, lse = poisoned(q.shape[0], heads[0], dim, torch.bfloat16)
+    wrapper.run(q, cache, out=out, lse=lse, return_lse=True, **FP8_SCALES)
+    dequantized = (cache[0].float() * FP8_SCALES["k_scale"], cache[1].float() * FP8_SCALES["v_scale"])
+    o_ref, lse_ref = reference.batch_prefill_paged(q.float() * FP8_SCALES["q_scale"], dequantized,
+                                                   indptr_of([1] * len(DECODE_KV_LENS)), indptr, ids, last,
+                                                   causal=True, o_dtype=torch.float32)
+    v_max = v.to(fp8).float().abs().max().item() * FP8_SCALES["v_scale"]
+    assert_close_fp8(out, lse, o_ref, lse_ref, v_max, f"fa3 fp8 tensor-core decode {_id(spec)} group {group} page {page_size}")
 
 
 WIDE = [s for s in SPECS if s.head_dim_qk == 512 and s.use_custom_mask]

@@ -81,7 +81,7 @@ def test_auto_falls_back_to_fa2_for_16bit_q_with_fp8_kv_on_hopper(dtype_kv):
     ("fa3-head-dims", dict(head_dim_qk=144, head_dim_vo=144)),
     ("fa3-head-dim-512", dict(head_dim_qk=512, head_dim_vo=512)),
     ("fa3-needs-sm90a", dict(archs=(Arch.SM80,))),
-    ("fa3-fp8-head-dims", dict(dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=64, head_dim_vo=64)),
+    ("fa3-fp8-head-dims", dict(dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=80, head_dim_vo=80)),
 ])
 def test_explicit_fa3_is_refused_with_the_rule_and_its_suggestion(rule_id, change):
     spec = KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,

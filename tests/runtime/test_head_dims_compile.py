@@ -3,7 +3,7 @@ admits a shape its kernel cannot instantiate would otherwise surface as a build 
 user's first plan(). One module per (kind, backend, head dims) of the unpadded dims (rows of whole
 128-byte lines), built for sm_90a; fa2 variants also go to sm_80 through test_build_load. The padded
 head dims (80-112, 160, 224, and 192 where a row spans 24 cells) share one code path per family:
-one module per padded class (PADDED), few enough for CI's two cores."""
+one module per padded class (PADDED, PADDED_FP8), few enough for CI's two cores."""
 
 from __future__ import annotations
 
@@ -41,6 +41,19 @@ PADDED = [KernelSpec(kind=kind, backend=backend, dtype_q=DType.BF16, dtype_kv=DT
           for kind, backend, arch in [(Kind.PREFILL, Backend.FA2, Arch.SM80), (Kind.DECODE, Backend.FA2, Arch.SM90A),
                                       (Kind.PREFILL, Backend.FA3, Arch.SM90A)]]
 SPECS += PADDED
+# qk > vo pairs: (256, 64) is where fa3's 128-token stages would just fill shared memory beside the
+# 256-wide Q tile (it takes the narrow kv tiles); fa2 at the same pair for sm_80.
+PAIRS = [KernelSpec(kind=Kind.PREFILL, backend=backend, dtype_q=DType.BF16, dtype_kv=DType.BF16, dtype_o=DType.BF16,
+                    head_dim_qk=256, head_dim_vo=64, archs=(arch,))
+         for backend, arch in [(Backend.FA2, Arch.SM80), (Backend.FA3, Arch.SM90A)]]
+SPECS += PAIRS
+# fa3 fp8 on a padded tile dim, one module per class (e4m3 hd 96: tile dim 128, three warpgroups, the
+# decode instantiations with the keys along M; e5m2 hd 192: tile dim 256, two warpgroups): zero-filled
+# Q/K columns, V^T of the real dims, the padding rows of O^T unstored.
+PADDED_FP8 = [KernelSpec(kind=Kind.PREFILL, backend=Backend.FA3, dtype_q=fp8, dtype_kv=fp8, dtype_o=DType.BF16,
+                         head_dim_qk=dim, head_dim_vo=dim, archs=(Arch.SM90A,))
+              for fp8, dim in [(DType.E4M3, 96), (DType.E5M2, 192)]]
+SPECS += PADDED_FP8
 # Head dim 512 (fa2 only) on sm_80 too: its prefill tiles (~113 KB of shared memory, o split over two
 # CTAs) must fit sm80's 163 KB (a static_assert), fp16 where the sm_90a modules above are bf16.
 SPECS += [KernelSpec(kind=kind, backend=Backend.FA2, dtype_q=DType.FP16, dtype_kv=DType.FP16, dtype_o=DType.FP16,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from attnforge.codegen.abi import DECODE_PLAN_ARGS, DECODE_PLAN_INFO, PLAN_HEADER
 from attnforge.codegen.dtypes import DType
 from attnforge.codegen.kv_tiles import decode_kv_tile
-from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind
+from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 from attnforge.planner import (
     MIN_CHUNK_TOKENS,
     PlanError,
@@ -297,3 +298,13 @@ def test_cxx_planner_refuses_a_plan_beyond_its_capacity(module):
     status, _, _, error = cxx_plan(module, b, PlanLayout(1, 10))
     assert status != 0
     assert "work items" in error and "fixed_split_size" in error
+
+
+@pytest.mark.parametrize("pos_encoding", [PosEncoding.ROPE_LLAMA, PosEncoding.ALIBI])
+def test_a_position_encoding_keeps_the_cuda_core_tile(pos_encoding):
+    """The decode kernel rotates (RoPE) or biases (ALiBi) on the CUDA-core tile only: 4+ heads take the
+    64-token MMA tile without a position encoding and the 8 KB CUDA-core tile (32 bf16 rows) with one."""
+    spec = KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.BF16,
+                      dtype_o=DType.BF16, head_dim_qk=128, head_dim_vo=128, archs=(Arch.SM90A,))
+    assert decode_kv_tile(spec, 4) == 64
+    assert decode_kv_tile(replace(spec, pos_encoding=pos_encoding), 4) == 8192 // (128 * 2)

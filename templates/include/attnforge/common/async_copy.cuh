@@ -1,7 +1,6 @@
 // Role: the sm80 asynchronous global->shared copy (cp.async) and its group waits.
 // Contract: 16-byte copies; an invalid source copies zeros (src-size 0) so masked rows are
-// harmless, but the address must still be a valid pointer. L2Prefetch::k128B asks L2 for the whole
-// 128-byte line around each copy (a hint: results do not depend on it).
+// harmless, but the address must still be a valid pointer.
 // Must not: issue anything but cp.async; synchronization across threads is the caller's job.
 #pragma once
 
@@ -9,20 +8,11 @@
 
 namespace attnforge::common {
 
-// k128B suits rows whose 16-byte cells are copied by neighbouring threads of one instruction
-// (a K/V or Q row of the FA2 prefill tile): the first miss brings the line's other cells along.
-enum class L2Prefetch { kNone, k128B };
-
-template <L2Prefetch kPrefetch = L2Prefetch::kNone>
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int src_bytes = valid ? 16 : 0;
   // .cg: bypass L1, the KV cache is streamed once.
-  if constexpr (kPrefetch == L2Prefetch::k128B) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
-  } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
-  }
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

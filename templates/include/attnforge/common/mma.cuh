@@ -1,5 +1,5 @@
 // Role: the sm80 tensor-core vocabulary: ldmatrix fragment loads and mma.sync m16n8k16 with fp32
-//   accumulation (onto c, or from zero), for half and bf16 operands.
+//   accumulation, for half and bf16 operands.
 // Contract (PTX ISA "Matrix Fragments for mma.m16n8k16"): lane l holds
 //   A (16x16, row-major):  a[0] = (r, c..c+1), a[1] = (r+8, c..), a[2] = (r, c+8..), a[3] = (r+8, c+8..)
 //   B (16x8, k x n):       b[0] = (k = c..c+1, n = r), b[1] = (k = c+8.., n = r)
@@ -11,7 +11,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
-#include <type_traits>
 
 namespace attnforge::common {
 
@@ -60,37 +59,6 @@ __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&c)[4], const
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// c = a * b for one m16n8k16 tile: the accumulator starts at zero, which ptxas encodes as RZ, so
-// callers need not clear c first.
-template <typename T>
-__device__ __forceinline__ void mma_m16n8k16_zero_c(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16_zero_c<half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                          uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %10, %10, %10};\n"
-      : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
-}
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16_zero_c<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                                   uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %10, %10, %10};\n"
-      : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
-}
-
-// A B-fragment register of two 16-bit ones: against it an mma sums each row of A.
-template <typename T>
-__device__ __forceinline__ uint32_t ones2() {
-  return std::is_same_v<T, half> ? 0x3c003c00u : 0x3f803f80u;
 }
 
 // Two fp32 values as one register of two 16-bit elements (lower address = x).

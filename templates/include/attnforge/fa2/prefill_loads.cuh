@@ -95,8 +95,8 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
       row_src = valid ? src : head_base;
       src += step;
     }
-    common::cp_async_16<common::L2Prefetch::k128B>(
-        dst + common::Swizzle128<common::swizzle_row_cells(kCells)>::cell(row, cell) * T::kKVPerCell, row_src, valid);
+    common::cp_async_16(dst + common::Swizzle128<common::swizzle_row_cells(kCells)>::cell(row, cell) * T::kKVPerCell,
+                        row_src, valid);
   }
 }
 
@@ -153,7 +153,7 @@ __device__ __forceinline__ void load_q_tile(typename T::DTypeQ* dst, const typen
       const int row = idx / kCells, cell = idx % kCells;
       const bool valid = row < rows.rows;
       const DTypeQ* src = valid ? row_ptr(row) + cell * 8 : static_cast<const DTypeQ*>(p.q);
-      common::cp_async_16<common::L2Prefetch::k128B>(dst + Swizzle::cell(row, cell) * 8, src, valid);
+      common::cp_async_16(dst + Swizzle::cell(row, cell) * 8, src, valid);
     }
   }
 }

@@ -11,7 +11,7 @@
 //     the order the fp8 K fragments arrive in; a dot product does not depend on the order of its
 //     dims. o's columns then come out in the order V's do (o_col).
 //   - compute_scores returns raw fp32 dot products; accumulate_pv takes base-2 probabilities in the
-//     score fragment and adds their row sums (of the 16-bit P the MMAs see) to the state's d.
+//     score fragment.
 //
 // Must not: scale, mask or exponentiate scores, or touch global memory.
 #pragma once
@@ -138,94 +138,67 @@ __device__ __forceinline__ float prepare_q_for_fp8_kv(typename T::Tiles& tiles) 
   return __int_as_float((127 - shift) << 23);
 }
 
-// One k step of S = Q . K^T (kChunks 16-dim chunks): load the step's fragments and run its MMAs.
-// The first step writes the accumulators (C = 0 encodes as RZ), so nothing clears them beforehand.
-template <typename T, bool kFirst>
-__device__ __forceinline__ void score_step(const typename T::DTypeMma* q, const typename T::DTypeKV* k,
-                                           const LaneCells<T::kRowCellsQ>& qc, const LaneCells<T::kRowCellsQK>& kc,
-                                           int step, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
+// s = Q . K^T for this warp's rows and kv columns (raw dot products, fp32).
+template <typename T>
+__device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, const typename T::DTypeKV* k, int warp_q,
+                                               int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
   constexpr int kChunks = T::kChunksPerLoad;
-  uint32_t a[T::kMmaQ][kChunks][4];
+  const int lane = threadIdx.x % 32;
+  // Q: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
+  const LaneCells<T::kRowCellsQ> qc(warp_q * T::kMmaQ * 16 + lane % 16, lane / 16);
+  // K: matrices (kv 0-7, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 0), (kv 8-15, cell 1).
+  const LaneCells<T::kRowCellsQK> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
 #pragma unroll
   for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) common::ldmatrix_x4(a[mq][c], q + qc.at(mq, step * kChunks + c) * 8);
+    for (int mk = 0; mk < T::kMmaKV; ++mk) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[mq][mk][e] = 0.f;
+    }
   }
+  // Rolled: unrolled, ptxas hoists every step's ldmatrix ahead and runs out of registers.
+#pragma unroll 1
+  for (int step = 0; step < T::kMmaDQK / kChunks; ++step) {
+    uint32_t a[T::kMmaQ][kChunks][4];
 #pragma unroll
-  for (int mk = 0; mk < T::kMmaKV; ++mk) {
-    uint32_t b[kChunks][4];
-    load_k_fragments<T>(k + kc.at(mk, step) * T::kKVPerCell, b);
+    for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
+      for (int c = 0; c < kChunks; ++c) common::ldmatrix_x4(a[mq][c], q + qc.at(mq, step * kChunks + c) * 8);
+    }
 #pragma unroll
-      for (int mq = 0; mq < T::kMmaQ; ++mq) {
+    for (int mk = 0; mk < T::kMmaKV; ++mk) {
+      uint32_t b[kChunks][4];
+      load_k_fragments<T>(k + kc.at(mk, step) * T::kKVPerCell, b);
 #pragma unroll
-        for (int half_n = 0; half_n < 2; ++half_n) {
-          float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&s[mq][mk][4 * half_n]);
-          if (kFirst && c == 0) {
-            common::mma_m16n8k16_zero_c<typename T::DTypeMma>(acc, a[mq][c], b[c][2 * half_n], b[c][2 * half_n + 1]);
-          } else {
-            common::mma_m16n8k16<typename T::DTypeMma>(acc, a[mq][c], b[c][2 * half_n], b[c][2 * half_n + 1]);
-          }
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int mq = 0; mq < T::kMmaQ; ++mq) {
+          common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][0]), a[mq][c], b[c][0], b[c][1]);
+          common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][4]), a[mq][c], b[c][2], b[c][3]);
         }
       }
     }
   }
 }
 
-// s = Q . K^T for this warp's rows and kv columns (raw dot products, fp32).
-template <typename T>
-__device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, const typename T::DTypeKV* k, int warp_q,
-                                               int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
-  const int lane = threadIdx.x % 32;
-  // Q: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
-  const LaneCells<T::kRowCellsQ> qc(warp_q * T::kMmaQ * 16 + lane % 16, lane / 16);
-  // K: matrices (kv 0-7, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 0), (kv 8-15, cell 1).
-  const LaneCells<T::kRowCellsQK> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-  score_step<T, true>(q, k, qc, kc, 0, s);
-  // Two steps per pass: a step's fragment loads then overlap the other step's MMAs, and the loop
-  // branch is paid once per 32 dims. Unrolled fully, ptxas hoists every step's ldmatrix ahead and
-  // spills (docs/tried.md).
-#pragma unroll 2
-  for (int step = 1; step < T::kMmaDQK / T::kChunksPerLoad; ++step) score_step<T, false>(q, k, qc, kc, step, s);
-}
-
-// o += P . V for this warp's rows, and st.d += the row sums of P. P arrives as base-2
-// probabilities in the score fragment; C fragment pairs (e, e + 1) are exactly the A fragment
-// registers of the P.V mma. The row sums take one more mma per 16 keys against a B fragment of
-// ones: the tensor core sums the row across the quad (fp32 accumulation) instead of 8 FADDs per
-// row and 2 shuffles, and sums the same 16-bit P the numerator uses.
+// o += P . V for this warp's rows. P arrives as base-2 probabilities in the score fragment; C
+// fragment pairs (e, e + 1) are exactly the A fragment registers of the P.V mma.
 template <typename T>
 __device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int warp_kv,
                                               const float (&s)[T::kMmaQ][T::kMmaKV][8], PrefillState<T>& st) {
   using DType = typename T::DTypeMma;
   constexpr int kChunks = T::kChunksPerLoad;
   const int lane = threadIdx.x % 32;
-  const uint32_t ones = common::ones2<DType>();
   // V, transposed: matrices (kv 0-7, cell 0), (kv 8-15, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 1).
   const LaneCells<T::kRowCellsVO> vc(warp_kv * T::kMmaKV * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
-  // P in 16 bits, all of it first: the fp32 scores die here, before V's fragments need registers.
-  uint32_t a[T::kMmaKV][T::kMmaQ][4];
 #pragma unroll
   for (int mk = 0; mk < T::kMmaKV; ++mk) {
+    uint32_t a[T::kMmaQ][4];
 #pragma unroll
     for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[mk][mq][r] = common::pack2<DType>(s[mq][mk][2 * r], s[mq][mk][2 * r + 1]);
+      for (int r = 0; r < 4; ++r) a[mq][r] = common::pack2<DType>(s[mq][mk][2 * r], s[mq][mk][2 * r + 1]);
     }
-  }
-#pragma unroll
-  for (int mq = 0; mq < T::kMmaQ; ++mq) {
-    // C fragment: sum[0] row half 0, sum[2] row half 1; d lives in two registers between tiles
-    // (four would push the custom-mask variant into spilling).
-    float sum[4] = {st.d[mq][0], 0.f, st.d[mq][1], 0.f};
-#pragma unroll
-    for (int mk = 0; mk < T::kMmaKV; ++mk) common::mma_m16n8k16<DType>(sum, a[mk][mq], ones, ones);
-    st.d[mq][0] = sum[0];
-    st.d[mq][1] = sum[2];
-  }
-#pragma unroll
-  for (int mk = 0; mk < T::kMmaKV; ++mk) {
 #pragma unroll
     for (int step = 0; step < T::kMmaDVO / kChunks; ++step) {
       uint32_t b[kChunks][4];
@@ -235,8 +208,8 @@ __device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int 
 #pragma unroll
         for (int mq = 0; mq < T::kMmaQ; ++mq) {
           float(&o_mq)[8] = st.o[mq][step * kChunks + c];
-          common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[0]), a[mk][mq], b[c][0], b[c][1]);
-          common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[4]), a[mk][mq], b[c][2], b[c][3]);
+          common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[0]), a[mq], b[c][0], b[c][1]);
+          common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[4]), a[mq], b[c][2], b[c][3]);
         }
       }
     }

@@ -4,10 +4,11 @@
 //
 // Contract:
 //   - softmax_update turns a tile's scores into probabilities 2^(s * scale - m) in place and
-//     rescales d and o to the new max (accumulate_pv then adds the tile's row sums to d). A row that has seen no visible key keeps m = -inf, d = 0,
+//     rescales d and o to the new max. A row that has seen no visible key keeps m = -inf, d = 0,
 //     o = 0: exponents are then measured from 0, never from -inf.
 //   - merge_warp_states leaves the merged state in warp 0 (kWarpsKV > 1). Its states overwrite the
-//     tiles, so every warp must be done with them (the caller's barrier).
+//     tiles, so every warp must be done with them (the caller's barrier); each d must already be
+//     the whole row's (the quad reduced).
 //
 // Must not: normalize or store o (prefill_epilogue.cuh does), or read global memory.
 #pragma once
@@ -19,7 +20,7 @@
 
 namespace attnforge::fa2 {
 
-// Online-softmax step: fold the tile's scores into m, rescale d and o, and turn the scores into
+// Online-softmax step: fold the tile's scores into (m, d), rescale o, and turn the scores into
 // probabilities 2^(s * scale - m) in place. `scale` turns the scores into base-2 units:
 // sm_scale_log2 for raw scores, 1 once transform_scores has applied it.
 template <typename T>
@@ -56,7 +57,10 @@ __device__ __forceinline__ void softmax_update(float (&s)[T::kMmaQ][T::kMmaKV][8
       for (int mk = 0; mk < T::kMmaKV; ++mk) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          if (frag_row_half(e) == rr) s[mq][mk][e] = common::fast_exp2(fmaf(s[mq][mk][e], scale, -m_safe));
+          if (frag_row_half(e) == rr) {
+            s[mq][mk][e] = common::fast_exp2(fmaf(s[mq][mk][e], scale, -m_safe));
+            st.d[mq][rr] += s[mq][mk][e];
+          }
         }
       }
     }

@@ -7,7 +7,8 @@
 //   - Packed rows: a request's packed row p is token p / group_size, query head p % group_size of
 //     the CTA's kv head, so a token's heads are adjacent rows.
 //   - A thread holds fragment rows lane / 4 and lane / 4 + 8 of each of its kMmaQ 16-row blocks;
-//     m and d are in the base-2 domain, d summing the row over every key this warp has seen.
+//     m and d are in the base-2 domain, d being the lane's partial sum until the kernel adds the
+//     other three lanes of the row.
 //   - o's elements follow V's fragment order: natural for 16-bit V, the even dims then the odd
 //     dims of each 16-dim chunk for fp8 V. Whatever reads or writes o by column goes through o_col.
 //
@@ -27,8 +28,8 @@ struct PrefillRows {
 };
 
 // Online-softmax state of the rows one thread touches: fragment rows lane / 4 and lane / 4 + 8 of
-// each of its kMmaQ row blocks. m, d are in the base-2 domain; d is the row's sum over this warp's
-// keys (accumulate_pv sums a row on the tensor core, across the quad that shares it).
+// each of its kMmaQ row blocks. m, d are in the base-2 domain; d is this lane's partial sum until
+// the kernel adds the other three lanes of the row.
 template <typename T>
 struct PrefillState {
   float o[T::kMmaQ][T::kMmaDVO][8];

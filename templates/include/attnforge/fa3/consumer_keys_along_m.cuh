@@ -45,7 +45,7 @@ struct KeysAlongM {
   using Element = typename T::Element;
   using ElementP = typename T::ElementP;
   using TiledMmaKQ = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_8, cute::Int<T::kHeadDimQK>>>()));
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_8, cute::Int<T::kTileDimQK>>>()));
   using TiledMmaVP = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, ElementP, float, cute::Shape<cute::_64, cute::_8, cute::Int<T::kBlockN>>>()));
   // P^T of tiles n % 2: 8 rows of kBlockN keys, K-major.
@@ -79,7 +79,8 @@ __device__ __forceinline__ void across_warps(float* exchange, const int (&rows)[
 }
 
 // The thread's stored rows of O^T, normalized: to o and lse, or the chunk's partial rows. Its 4
-// dims of a row lie 8 apart or more: single stores (at a job's end only).
+// dims of a row lie 8 apart or more: single stores (at a job's end only). Dims from kHeadDimVO on
+// are a padded tile's (O^T's padding rows): never stored.
 template <typename T, typename TensorO, typename TensorC>
 __device__ __forceinline__ void store_rows_keys_along_m(const typename T::Params& p, const WorkTile& w,
                                                         const common::FastDivmod& group, int kv_head, bool bad_page,
@@ -97,13 +98,19 @@ __device__ __forceinline__ void store_rows_keys_along_m(const typename T::Params
     if (w.slot < 0) {
       DTypeO* o_row = out.o_row(p, w);
 #pragma unroll
-      for (int c = 0; c < size<1>(o); ++c) o_row[get<0>(coord(r, c))] = DTypeO(o(r, c) * out.inv_d);
+      for (int c = 0; c < size<1>(o); ++c) {
+        const int dim = get<0>(coord(r, c));
+        if (T::kTileDimVO == T::kHeadDimVO || dim < T::kHeadDimVO) o_row[dim] = DTypeO(o(r, c) * out.inv_d);
+      }
       if (writes_lse && p.lse != nullptr) *out.lse_at(p, w) = out.lse;
     } else {
       const int64_t prow = out.partial_row(p, w, item.num_chunks);
       float* partial = static_cast<float*>(p.tmp_v) + prow * T::kHeadDimVO;
 #pragma unroll
-      for (int c = 0; c < size<1>(o); ++c) partial[get<0>(coord(r, c))] = o(r, c) * out.inv_d;
+      for (int c = 0; c < size<1>(o); ++c) {
+        const int dim = get<0>(coord(r, c));
+        if (T::kTileDimVO == T::kHeadDimVO || dim < T::kHeadDimVO) partial[dim] = o(r, c) * out.inv_d;
+      }
       if (writes_lse) static_cast<float*>(p.tmp_s)[prow] = out.lse;
     }
   }
@@ -129,16 +136,16 @@ __device__ __forceinline__ void consume_keys_along_m(typename T::SharedStorage& 
   auto operands_vp = mma_vp.get_thread_slice(0);
   Tensor sQ = make_tensor(make_smem_ptr(q_buffer<T>(smem, count.items).tile), typename T::SmemLayoutQ{});
   Tensor tSrK = operands_kq.partition_fragment_A(make_tensor(make_smem_ptr(smem.k), typename T::SmemLayoutK{}));
-  Tensor tSrQ = operands_kq.partition_fragment_B(local_tile(sQ, Shape<_8, Int<T::kHeadDimQK>>{}, make_coord(0, 0)));
+  Tensor tSrQ = operands_kq.partition_fragment_B(local_tile(sQ, Shape<_8, Int<T::kTileDimQK>>{}, make_coord(0, 0)));
   Tensor tOrV = operands_vp.partition_fragment_A(make_tensor(make_smem_ptr(smem.v), typename T::SmemLayoutVt{}));
   Tensor tOrP = operands_vp.partition_fragment_B(make_tensor(make_smem_ptr(smem.p), typename Swapped::SmemLayoutP{}));
   Tensor tSrS = partition_fragment_C(mma_kq, Shape<Int<T::kBlockN>, _8>{});
-  Tensor tOrO = partition_fragment_C(mma_vp, Shape<Int<T::kHeadDimVO>, _8>{});
+  Tensor tOrO = partition_fragment_C(mma_vp, Shape<Int<T::kTileDimVO>, _8>{});
   Tensor s = make_tensor(tSrS.data(), colrow(tSrS.layout()));
   Tensor o = make_tensor(tOrO.data(), colrow(tOrO.layout()));
   Tensor cS = mma_kq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, _8>{}));
   Tensor s_coord = make_tensor(cS.data(), colrow(cS.layout()));  // (key, row)
-  Tensor cO = mma_vp.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<T::kHeadDimVO>, _8>{}));
+  Tensor cO = mma_vp.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<T::kTileDimVO>, _8>{}));
   Tensor o_coord = make_tensor(cO.data(), colrow(cO.layout()));  // (dim, row)
   static_assert(decltype(size<0>(s))::value == 2 && decltype(size<1>(s))::value == 4,
                 "fa3 keys along M: a thread holds 2 rows x 4 keys of a 128-key tile");

@@ -165,14 +165,15 @@ __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem
 }
 
 // V transposed ahead: transposed block `block` of the kv head, K-major as the PV wgmma reads it, into
-// the stage once it is free; one box, producer thread 0's.
+// the stage once it is free; one box of the real dims (a padded tile's last rows stay unwritten),
+// producer thread 0's.
 template <typename T>
 __device__ __forceinline__ void box_vt_tile(typename T::SharedStorage& smem, const KernelArgs<T>& args, int block,
                                             int stage, uint32_t free_phase, int kv_head) {
   if (threadIdx.x != 0) return;
   const auto evict_last = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);  // every q tile rereads it
   cutlass::arch::ClusterBarrier::wait(&smem.v_empty[stage], free_phase);
-  arrive_for_all<kFullArrivals<T>>(&smem.v_full[stage], T::kTileBytesV);
+  arrive_for_all<kFullArrivals<T>>(&smem.v_full[stage], T::kVtBoxBytes);
   cute::SM90_TMA_LOAD_4D::copy(&args.vt_blocks, &smem.v_full[stage], evict_last,
                                reinterpret_cast<uint8_t*>(smem.v) + stage * T::kTileBytesV, 0, 0, block, kv_head);
 }

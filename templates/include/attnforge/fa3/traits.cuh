@@ -132,17 +132,19 @@ struct PrefillTraits {
   static constexpr int kElementBytes = int(sizeof(DTypeKV));
   // The tile-size choice for the head dims starts here (kTileDim*, then kInOrder, kConsumerWarpgroups,
   // kBlockN, kStages below). Tiles are built of 128-byte column blocks (a TMA box, a swizzle line):
-  // 64 16-bit or 128 fp8 elements. A 16-bit head dim between them (80, 96, 112 -> 128; 160 -> 192;
-  // 224 -> 256) runs on the padded tile dim: TMA boxes fill the columns past the tensor maps' real
-  // extent with zeros, the gathering copies zero-fill them without a read, so Q and K padding adds
-  // 0 to q.k; P.V's padding columns (wgmma N = kTileDimVO, a multiple of 64) are never stored.
+  // 64 16-bit or 128 fp8 elements. A head dim between them (16-bit 80, 96, 112 -> 128; 160 -> 192;
+  // 224 -> 256; fp8 64, 96 -> 128; 192 -> 256) runs on the padded tile dim: TMA boxes fill the
+  // columns past the tensor maps' real extent with zeros, the gathering copies zero-fill them
+  // without a read, so Q and K padding adds 0 to q.k; P.V's padding columns (wgmma N = kTileDimVO, a
+  // multiple of 64) are never stored. fp8 V^T's padding rows (dims) are never written at all (the
+  // transposes and the box of V transposed ahead move the real dims only): whatever they hold
+  // reaches only those unstored columns of o (each column of P.V reads its own dim of V alone).
   static constexpr int kLineElements = host::kTmaBoxBytes / kElementBytes;
   static constexpr int kTileDimQK = (kHeadDimQK + kLineElements - 1) / kLineElements * kLineElements;
   static constexpr int kTileDimVO = (kHeadDimVO + kLineElements - 1) / kLineElements * kLineElements;
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimVO % 16 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
                 "fa3 prefill head dims: multiples of 16 up to 256 (rules head-dims-multiple-of-16, prefill-head-dims-max-256)");
-  static_assert(!kFp8 || (kTileDimQK == kHeadDimQK && kTileDimVO == kHeadDimVO),
-                "fa3 fp8 head dims: whole 128-byte lines, 128 or 256 (rule fa3-fp8-head-dims)");
+  static_assert(!kFp8 || kHeadDimQK == kHeadDimVO, "fa3 fp8 head dims: qk = vo (rule fa3-fp8-head-dims)");
 
   using Element = typename CuteElement<DTypeKV>::type;
   // P as the P.V wgmma's A operand: the 16-bit type, or e4m3 for either fp8 format (its 3 mantissa
@@ -180,9 +182,12 @@ struct PrefillTraits {
   // at 160 registers (ptxas then serializes the wgmmas, C7512). Paged kernels keep 128 or 64, which
   // every power-of-two page up to 128 divides, so their boxes are whole pages; soft cap and sliding
   // window too. kWideKvTile: the wider width, 0 where none applies.
+  // A 256-wide Q tile (64 KB) leaves room for 128-token stages only beside a 64-wide V, with no
+  // slack: (256, 64) and (224, 64) take the narrow tiles too.
   static constexpr int kHeadDims = kTileDimQK + kTileDimVO;
-  static constexpr int kWideKvTile = !kFp8 && !kPagedKV && !kSoftCap && !kSlidingWindow && kHeadDims > 320 ? 80 : 0;
-  static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kFp8 || kHeadDims <= 320 ? 128 : 64;
+  static constexpr bool kNarrowKvTile = !kFp8 && (kHeadDims > 320 || kTileDimQK > 192);
+  static constexpr int kWideKvTile = !kPagedKV && !kSoftCap && !kSlidingWindow && kNarrowKvTile ? 80 : 0;
+  static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kNarrowKvTile ? 64 : 128;
   // Pingpong between the two overlapping consumer warpgroups (scheduler_wait), so one's GEMMs run
   // under the other's softmax, except for 64-key tiles, whose short GEMMs leave nothing to hide;
   // three warpgroups (hd 64, and the in-order kernels) issue when ready.
@@ -198,6 +203,9 @@ struct PrefillTraits {
   static constexpr int kTileBytesK = kBlockN * kTileDimQK * kElementBytes;
   static constexpr int kTileBytesV = kBlockN * kTileDimVO * kElementBytes;
   static constexpr int kStageBytes = kTileBytesK + kTileBytesV;
+  // V transposed ahead comes as one box of the real dims (encode_vt_map), kTileBytesV where the
+  // head dim fills the tile.
+  static constexpr int kVtBoxBytes = kBlockN * kHeadDimVO * kElementBytes;
   static constexpr int kTableBytes = kPagedKV ? kBlockN * 8 : 0;
   // Whether tiles of `bytes` fit shared memory beside the page table, the barriers and the slack
   // for aligning the base.

@@ -44,7 +44,8 @@ __device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&key_words)[
 // word per dim; lanes with t % 4 >= 2 store their dims in an order shifted by 2, which puts each
 // store's 32 words in distinct banks. Addresses: moving a chunk moves the source's swizzled
 // 16-byte column (an XOR within the 128-byte row, then a 128-dim block) and the destination by 16
-// rows (whose swizzle is the same: it depends on the row mod 8).
+// rows (whose swizzle is the same: it depends on the row mod 8). Only the real dims move: a padded
+// tile's last rows stay unwritten (traits.cuh: they reach only o's unstored columns).
 template <typename T>
 __device__ __forceinline__ void transpose_v_tile(typename T::SharedStorage& smem, int buffer, int stage, int tid) {
   using Element = typename T::Element;
@@ -88,7 +89,8 @@ __device__ __forceinline__ void transpose_v_tile(typename T::SharedStorage& smem
 // A thread reads 4 bytes (4 dims) of each of the 4 keys of 4 consecutive slots and writes them
 // as 4 words of 4 slots, one per dim (a 4 x 4 byte transpose in registers). Consecutive threads
 // take consecutive dims, so a warp reads 128 contiguous bytes of each key. Keys past the range
-// read as zeros (row offset -1), as in the gather.
+// read as zeros (row offset -1), as in the gather; a padded tile's dims past the real ones are not
+// written, as in transpose_v_tile.
 template <typename T, typename RowOffset>
 __device__ __forceinline__ void load_v_tile_transposed(uint8_t* smem_base, const typename T::DTypeKV* head_base, int tid,
                                                        RowOffset row_offset, int stage) {
