@@ -1,7 +1,7 @@
 """Keys per kv tile of the FA2 kernels, which the split-KV planners round their chunks to.
 
 These mirror fa2/decode_traits.cuh (DecodeTraits::kTileTokens) and fa2/prefill_traits.cuh
-(PrefillTraits::kTileKV); FA3's is fa3_units.fa3_kv_tile. Every rendered variant static_asserts
+(PrefillTraits::kTileKV, and kVOSlices: prefill_vo_slices); FA3's is fa3_units.fa3_kv_tile. Every rendered variant static_asserts
 the value it was rendered with, so a change on one side that the other misses fails the build.
 """
 
@@ -16,17 +16,19 @@ DECODE_WARPS = DECODE_THREADS // 32
 
 def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
     """Tokens per tile of the decode kernel serving heads_per_cta heads: 16 per warp on the
-    tensor-core tile (4-8 heads over rows of whole 128-byte lines, without in-kernel position
-    encoding, which rotates K cells on the CUDA-core tile), else 8 KB of K per tile."""
+    tensor-core tile (4-8 heads over rows of whole 128-byte lines up to hd 256, without in-kernel
+    position encoding, which rotates K cells on the CUDA-core tile), else 8 KB of K per tile."""
     kv_bytes = spec.dtype_kv.bytes
     vec = 16 // kv_bytes  # KV elements per 16-byte load
     cells = spec.head_dim_qk // vec
+    cells_per_lane = cells // 32 if cells > 32 else 1  # 16-bit hd 512: two cells on each of 32 lanes
     lanes = 1
-    while lanes < cells:
+    while lanes < cells // cells_per_lane:
         lanes *= 2
-    row_dim = lanes * vec
-    mma = (heads_per_cta >= 4 and row_dim == spec.head_dim_qk and lanes % 8 == 0
-           and (spec.head_dim_qk <= 128 or kv_bytes == 1) and spec.pos_encoding is PosEncoding.NONE)
+    row_dim = lanes * cells_per_lane * vec
+    mma = (heads_per_cta >= 4 and row_dim == spec.head_dim_qk and lanes % 8 == 0 and cells_per_lane == 1
+           and (spec.head_dim_qk <= 128 or (kv_bytes == 1 and spec.head_dim_qk <= 256))
+           and spec.pos_encoding is PosEncoding.NONE)
     return 16 * DECODE_WARPS if mma else 8192 // (row_dim * kv_bytes)
 
 
@@ -42,6 +44,19 @@ def prefill_kv_tile(spec: KernelSpec, cta_tile_q: int, paged: bool) -> int:
         # an fp8 cache doubles the keys, unless RoPE adds its rotated fp16 K tile (kRotatedK16)
         doubled = spec.dtype_kv.is_fp8 and spec.pos_encoding is not PosEncoding.ROPE_LLAMA
         mma_kv = (2 if spec.head_dim_qk <= 128 else 1) * (2 if doubled else 1)
+    elif mma_q == 2:
+        mma_kv = 4
+    elif prefill_vo_slices(spec) > 1:
+        mma_kv = 2  # hd 512: Q 64 + K 32 + V slice 16 = 112 KB
     else:
-        mma_kv = 4 if mma_q == 2 else (8 if spec.head_dim_qk <= 128 else 4)
+        mma_kv = 8 if spec.head_dim_qk <= 128 else 4
     return mma_kv * warps_kv * 16
+
+
+def prefill_vo_slices(spec: KernelSpec) -> int:
+    """CTAs that share a prefill work item, each over a slice of o's columns (grid z; fa2 only): two
+    256-column slices at head dim 512, whose fp32 o for 16 rows would otherwise take 256 registers a
+    thread; one below (PrefillTraits::kVOSlices)."""
+    if spec.backend is Backend.FA3:
+        return 1
+    return 2 if spec.head_dim_vo > 256 else 1

@@ -16,10 +16,10 @@ from .spec import Arch, Backend, KernelSpec, Kind
 
 # The head dims users ask for (every listed one, and qk > vo pairs: the MLA-like (192, 128) and two
 # more of the 36 prefill takes), plus refused ones so the table shows which rule refuses them: 72
-# (not a multiple of 16), 144 (on the grid but not instantiated), 512 (wider than a prefill row's
-# accumulator; vo over qk).
+# (not a multiple of 16), 144 (on the grid but not instantiated), 384 (wider than a prefill row's
+# accumulator), 512 (fa2 only: Gemma's), vo over qk.
 HEAD_DIMS: tuple[tuple[int, int], ...] = tuple((d, d) for d in rules.HEAD_DIMS) + (
-    (192, 128), (256, 128), (128, 64), (72, 72), (144, 144), (512, 512), (128, 192))
+    (192, 128), (256, 128), (128, 64), (72, 72), (144, 144), (384, 384), (512, 512), (128, 192))
 
 # Each backend is probed on an arch it can target, so the arch rules never hide the rule that matters.
 PROBE_ARCHS = {Backend.FA2: (Arch.SM80,), Backend.FA3: (Arch.SM90A,)}

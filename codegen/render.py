@@ -18,7 +18,7 @@ import jinja2
 
 from . import abi
 from .fa3_units import INSTANCES, Instance, fa3_cta_tile, fa3_extended_wgmma, fa3_instances, fa3_kv_tile, fa3_tile_dim
-from .kv_tiles import decode_kv_tile, prefill_kv_tile
+from .kv_tiles import decode_kv_tile, prefill_kv_tile, prefill_vo_slices
 from .rules import ensure_valid
 from .sources import source_hash, templates_dir
 from .spec import Backend, KernelSpec, Kind, PosEncoding
@@ -32,8 +32,9 @@ METADATA = "metadata.json"
 
 def prefill_cta_tiles(spec: KernelSpec) -> tuple[int, ...]:
     """The prefill tiles a module compiles: FA3 has one; FA2 drops the 128-row tile above head dim
-    192 (224, 256), where its o accumulators beside the scores would not fit the registers
-    (fa2/prefill_traits.cuh; the planners' cta_tile_q agrees)."""
+    192 (224, 256, 512), where its o accumulators beside the scores would not fit the registers
+    (fa2/prefill_traits.cuh; the planners' cta_tile_q agrees). At 512 each tile's CTAs also split o's
+    columns (kv_tiles.prefill_vo_slices)."""
     if spec.backend is Backend.FA3:
         return (fa3_cta_tile(spec),)
     return PREFILL_CTA_TILES if spec.head_dim_qk <= 192 else PREFILL_CTA_TILES[:-1]
@@ -97,7 +98,8 @@ def prefill_variant(spec: KernelSpec, tile: int, paged: bool) -> Variant:
     name = f"prefill_q{tile}_{'paged' if paged else 'ragged'}"
     context = (("tile", tile), ("paged", paged))
     if spec.backend is Backend.FA2:
-        return Variant(name, "prefill_variant.cu.jinja", context + (("kv_tile", prefill_kv_tile(spec, tile, paged)),))
+        return Variant(name, "prefill_variant.cu.jinja", context + (("kv_tile", prefill_kv_tile(spec, tile, paged)),
+                                                                    ("vo_slices", prefill_vo_slices(spec))))
     instances = fa3_instances(spec, paged)
     context += (("kv_tile", fa3_kv_tile(spec, paged)), ("extended_wgmma", fa3_extended_wgmma(spec, paged)),
                 ("tile_dims", (fa3_tile_dim(spec, spec.head_dim_qk), fa3_tile_dim(spec, spec.head_dim_vo))),

@@ -21,10 +21,15 @@ PREFILL_MAX_HEAD_DIM = 256
 # Prefill kernels size Q/K and V/O separately, so any qk >= vo pair of listed dims runs (MLA-like
 # (192, 128) among them); a vo wider than qk is refused: no model has one.
 HEAD_DIM_PAIRS = frozenset((qk, vo) for qk in HEAD_DIMS for vo in HEAD_DIMS if qk >= vo)
-FA2_PREFILL_HEAD_DIMS = HEAD_DIM_PAIRS
+# Wider dims fa2 runs (Gemma's 512): decode spreads a row over two cells a lane; prefill splits o's
+# columns over CTAs of 256 each (fa2/prefill_traits.cuh kVOSlices), so o fits as at hd 256.
+FA2_WIDE_HEAD_DIMS = frozenset({(512, 512)})
+FA2_PREFILL_HEAD_DIMS = HEAD_DIM_PAIRS | FA2_WIDE_HEAD_DIMS
 FA3_PREFILL_HEAD_DIMS = HEAD_DIM_PAIRS
 # The CUDA-core decode kernel holds one head dim for q, k and v.
-DECODE_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS})
+DECODE_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS}) | FA2_WIDE_HEAD_DIMS
+# Archs whose CTAs get less shared memory (99 KB) than an fa2 hd 512 prefill tile takes (~113 KB).
+SMALL_SMEM_ARCHS = frozenset({Arch.SM86, Arch.SM89})
 # fa2 prefill with an fp8 cache: one ldmatrix of K covers 32 one-byte dims.
 FA2_FP8_KV_PREFILL_HEAD_DIMS = frozenset(dims for dims in FA2_PREFILL_HEAD_DIMS if dims[0] % 32 == 0 and dims[1] % 32 == 0)
 # fp8 fa3: 128 one-byte elements fill a 128-byte swizzle line; 64 and 96 run on a tile dim of 128, 192
@@ -46,7 +51,12 @@ def _fa3_fp8(s) -> bool:
 
 
 def _too_wide(s) -> bool:
-    return max(s.head_dim_qk, s.head_dim_vo) > PREFILL_MAX_HEAD_DIM
+    """Wider than 256 and not one of fa2's wide dims (fa3 at those has its own rule, fa3-head-dim-512)."""
+    return max(s.head_dim_qk, s.head_dim_vo) > PREFILL_MAX_HEAD_DIM and _dims(s) not in FA2_WIDE_HEAD_DIMS
+
+
+def _fa3_wide(s) -> bool:
+    return _fa3(s) and not s.dtype_q.is_fp8 and _dims(s) in FA2_WIDE_HEAD_DIMS
 
 
 def _uninstantiated(s, dims: frozenset) -> bool:
@@ -79,7 +89,11 @@ def _dims(s: KernelSpec) -> tuple[int, int]:
 
 
 def _pairs(dims: frozenset) -> str:
-    """A listed set in words: its equal dims, or every qk >= vo pair of them (no set lists some pairs)."""
+    """A listed set in words: its equal dims, or every qk >= vo pair of them (no set lists some pairs),
+    then fa2's wide dims (512) where the set holds them."""
+    wide = sorted(qk for qk, vo in dims & FA2_WIDE_HEAD_DIMS)
+    if wide and dims - FA2_WIDE_HEAD_DIMS:
+        return _pairs(dims - FA2_WIDE_HEAD_DIMS) + ", and " + ", ".join(map(str, wide))
     equal = sorted(qk for qk, vo in dims if qk == vo)
     if dims == frozenset((qk, vo) for qk in equal for vo in equal if qk >= vo) and len(equal) > 1:
         return "(qk, vo) with qk >= vo, both of " + ", ".join(map(str, equal))
@@ -172,15 +186,22 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "prefill-head-dims-max-256",
         "{s.backend.value} {s.kind.value} has no kernel above head dim " + str(PREFILL_MAX_HEAD_DIM)
-        + " (qk {s.head_dim_qk}, vo {s.head_dim_vo}): a row's fp32 o accumulator would not fit the registers",
-        "use head dims up to " + str(PREFILL_MAX_HEAD_DIM) + ", e.g. split the head into two of half the size",
+        + " but 512 (qk {s.head_dim_qk}, vo {s.head_dim_vo}): a row's fp32 o accumulator would not fit the registers",
+        "use head dims up to " + str(PREFILL_MAX_HEAD_DIM) + " or 512 (fa2), e.g. split the head into two of half the size",
         lambda s: s.kind is Kind.PREFILL and _too_wide(s) and not _fa3_fp8(s),
     ),
     Rule(
         "fa3-head-dims",
         "fa3 has no 16-bit kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo})",
         "use head dims " + _pairs(FA3_PREFILL_HEAD_DIMS) + " or backend fa2",
-        lambda s: _fa3(s) and not s.dtype_q.is_fp8 and _uninstantiated(s, FA3_PREFILL_HEAD_DIMS),
+        lambda s: _fa3(s) and not s.dtype_q.is_fp8 and not _fa3_wide(s) and _uninstantiated(s, FA3_PREFILL_HEAD_DIMS),
+    ),
+    Rule(
+        "fa3-head-dim-512",
+        "fa3 has no kernel for head dim 512: a consumer warpgroup's fp32 o accumulator for 64 rows x 512 "
+        "columns would take 256 registers a thread, and fa3 does not split o's columns over CTAs",
+        "use backend fa2, whose prefill splits o into two 256-column halves (one CTA each)",
+        lambda s: _fa3_wide(s),
     ),
     Rule(
         "fa2-prefill-head-dims",
@@ -196,6 +217,14 @@ RULES: tuple[Rule, ...] = (
         "use head dims " + _pairs(FA2_FP8_KV_PREFILL_HEAD_DIMS) + ", or a 16-bit KV cache",
         lambda s: (s.kind is Kind.PREFILL and s.backend is Backend.FA2 and s.dtype_kv.is_fp8
                    and _dims(s) in FA2_PREFILL_HEAD_DIMS and _dims(s) not in FA2_FP8_KV_PREFILL_HEAD_DIMS),
+    ),
+    Rule(
+        "fa2-head-dim-512-smem",
+        "fa2 prefill at head dim 512 keeps a 512-wide Q and K tile in shared memory (~113 KB a CTA), more than "
+        "the 99 KB a CTA gets on sm86 and sm89; archs are {s.arch_list}",
+        "target sm80 or sm90/sm90a (163 KB and 227 KB a CTA), or use head dims up to 256",
+        lambda s: (s.kind is Kind.PREFILL and s.backend is Backend.FA2 and _dims(s) in FA2_WIDE_HEAD_DIMS
+                   and any(a in SMALL_SMEM_ARCHS for a in s.archs)),
     ),
     Rule(
         "decode-is-fa2",

@@ -22,7 +22,7 @@ COMMON = (64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 def test_supported_decode_rows():
     supported = {(r.spec.dtype_q, r.spec.head_dim_qk) for r in matrix.rows([Kind.DECODE], [Backend.FA2]) if r.supported}
-    assert supported == {(d, hd) for d in (DType.FP16, DType.BF16) for hd in COMMON}
+    assert supported == {(d, hd) for d in (DType.FP16, DType.BF16) for hd in COMMON + (512,)}
 
 
 def _supported_dims(kind, backend, dtype_q, dtype_kv):
@@ -31,14 +31,15 @@ def _supported_dims(kind, backend, dtype_q, dtype_kv):
 
 
 def test_supported_prefill_head_dims():
-    """Every common head dim and the matrix's qk > vo pairs on fa2 and fa3 16-bit; fp8 fa2 caches at
-    multiples of 32; fa3 fp8 (either format) at 64, 96, 128, 192 and 256, qk = vo."""
+    """Every common head dim and the matrix's qk > vo pairs on fa2 and fa3 16-bit, and 512 on fa2; fp8
+    fa2 caches at multiples of 32; fa3 fp8 (either format) at 64, 96, 128, 192 and 256, qk = vo."""
     common = {(d, d) for d in COMMON} | {(192, 128), (256, 128), (128, 64)}
     for backend in Backend:
         for dtype in (DType.FP16, DType.BF16):
-            assert _supported_dims(Kind.PREFILL, backend, dtype, dtype) == common
+            wide = {(512, 512)} if backend is Backend.FA2 else set()
+            assert _supported_dims(Kind.PREFILL, backend, dtype, dtype) == common | wide
     assert _supported_dims(Kind.PREFILL, Backend.FA2, DType.BF16, DType.E4M3) == {
-        dims for dims in common if dims[0] % 32 == 0 and dims[1] % 32 == 0}
+        dims for dims in common | {(512, 512)} if dims[0] % 32 == 0 and dims[1] % 32 == 0}
     for fp8 in (DType.E4M3, DType.E5M2):
         assert _supported_dims(Kind.PREFILL, Backend.FA3, fp8, fp8) == {(d, d) for d in (64, 96, 128, 192, 256)}
 
@@ -49,13 +50,15 @@ def test_matrix_names_the_rule_of_each_refused_head_dim():
                and r.spec.dtype_kv is DType.BF16}
     assert by_dims[(72, 72)] == ("head-dims-multiple-of-16",)
     assert by_dims[(144, 144)] == ("fa3-head-dims",)
-    assert by_dims[(512, 512)] == ("prefill-head-dims-max-256",)
+    assert by_dims[(512, 512)] == ("fa3-head-dim-512",)
+    assert by_dims[(384, 384)] == ("prefill-head-dims-max-256",)
     assert by_dims[(128, 192)] == ("fa3-head-dims",)
     decode = {(r.spec.head_dim_qk, r.spec.head_dim_vo): r.violations
               for r in matrix.rows([Kind.DECODE], [Backend.FA2]) if r.spec.dtype_q is DType.FP16
               and r.spec.dtype_kv is DType.FP16}
     assert decode[(192, 128)] == ("decode-head-dims",)
-    assert decode[(512, 512)] == ("decode-head-dims",)
+    assert decode[(384, 384)] == ("decode-head-dims",)
+    assert decode[(512, 512)] == ()
 
 
 def test_markdown_has_one_line_per_row_and_names_rules():

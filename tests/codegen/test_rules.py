@@ -31,7 +31,9 @@ EXAMPLES = {
     "fa3-head-dims": dict(FA3, head_dim_qk=144, head_dim_vo=144),
     "fa2-prefill-head-dims": dict(kind=Kind.PREFILL, head_dim_qk=128, head_dim_vo=192),
     "head-dims-multiple-of-16": dict(head_dim_qk=72, head_dim_vo=72),
-    "prefill-head-dims-max-256": dict(kind=Kind.PREFILL, head_dim_qk=512, head_dim_vo=512),
+    "prefill-head-dims-max-256": dict(kind=Kind.PREFILL, head_dim_qk=384, head_dim_vo=384),
+    "fa3-head-dim-512": dict(FA3, head_dim_qk=512, head_dim_vo=512),
+    "fa2-head-dim-512-smem": dict(kind=Kind.PREFILL, head_dim_qk=512, head_dim_vo=512, archs=(Arch.SM80, Arch.SM86)),
     "fa2-fp8-kv-head-dims": dict(kind=Kind.PREFILL, dtype_kv=DType.E4M3, head_dim_qk=80, head_dim_vo=80),
     "no-fp16-qk-reduction": dict(dtype_q=DType.FP16, dtype_kv=DType.FP16, fp16_qk_reduction=True),
     "decode-is-fa2": dict(backend=Backend.FA3, archs=(Arch.SM90A,)),
@@ -93,7 +95,7 @@ def test_rules_are_complete_rows():
 
 
 def test_check_returns_every_violation_not_the_first(decode_spec):
-    spec = replace(decode_spec, dtype_o=DType.E4M3, head_dim_qk=512, head_dim_vo=512, use_custom_mask=True)
+    spec = replace(decode_spec, dtype_o=DType.E4M3, head_dim_qk=384, head_dim_vo=384, use_custom_mask=True)
     assert {"o-not-fp8", "decode-head-dims", "decode-no-custom-mask"} <= {r.id for r in check(spec)}
 
 
@@ -245,12 +247,14 @@ def test_fp8_caches_at_new_head_dims(decode_spec, head_dim, dtype_kv):
 @pytest.mark.parametrize(("kind", "backend", "dims", "rule_id", "words"), [
     (Kind.DECODE, Backend.FA2, (100, 100), "head-dims-multiple-of-16", ["not multiples of 16", "zero-pad", "112"]),
     (Kind.PREFILL, Backend.FA2, (72, 72), "head-dims-multiple-of-16", ["qk 72, vo 72", "80"]),
-    (Kind.PREFILL, Backend.FA3, (512, 512), "prefill-head-dims-max-256", ["fa3 prefill", "above head dim 256",
+    (Kind.PREFILL, Backend.FA3, (384, 384), "prefill-head-dims-max-256", ["fa3 prefill", "above head dim 256",
                                                                           "up to 256"]),
-    (Kind.PREFILL, Backend.FA2, (512, 512), "prefill-head-dims-max-256", ["fa2 prefill", "registers"]),
+    (Kind.PREFILL, Backend.FA2, (384, 384), "prefill-head-dims-max-256", ["fa2 prefill", "registers", "but 512"]),
+    (Kind.PREFILL, Backend.FA3, (512, 512), "fa3-head-dim-512", ["head dim 512", "256 registers", "backend fa2"]),
+    (Kind.PREFILL, Backend.FA2, (512, 256), "prefill-head-dims-max-256", ["qk 512, vo 256"]),
     (Kind.PREFILL, Backend.FA3, (144, 144), "fa3-head-dims", ["qk 144, vo 144", "160", "qk >= vo", "backend fa2"]),
     (Kind.PREFILL, Backend.FA2, (128, 192), "fa2-prefill-head-dims", ["qk 128, vo 192", "224", "qk >= vo"]),
-    (Kind.DECODE, Backend.FA2, (512, 512), "decode-head-dims", ["qk 512, vo 512", "qk and vo equal"]),
+    (Kind.DECODE, Backend.FA2, (384, 384), "decode-head-dims", ["qk 384, vo 384", "qk and vo equal", "512"]),
     (Kind.DECODE, Backend.FA2, (192, 128), "decode-head-dims", ["vo 128", "use_tensor_cores=True"]),
     # off the 16-grid and wider than every listed dim: the width rule alone (nothing to pad to)
     (Kind.PREFILL, Backend.FA2, (264, 264), "prefill-head-dims-max-256", ["qk 264, vo 264", "up to 256"]),
@@ -339,3 +343,42 @@ def test_prefill_takes_every_qk_at_least_vo_pair(decode_spec, backend):
         for vo in HEAD_DIMS:
             spec = replace(decode_spec, kind=Kind.PREFILL, backend=backend, archs=archs, head_dim_qk=qk, head_dim_vo=vo)
             assert (check(spec) == []) == (qk >= vo), (qk, vo)
+
+
+# ---------------------------------------------------------------------------------------
+# head dim 512 (issue 38: Gemma): fa2 decode and prefill, 16-bit and fp8 caches; fa3 refuses it alone
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+@pytest.mark.parametrize("dtype_kv", ["same", DType.E4M3])
+@pytest.mark.parametrize("kind", [Kind.DECODE, Kind.PREFILL])
+def test_fa2_takes_head_dim_512(decode_spec, dtype, dtype_kv, kind):
+    kv = dtype if dtype_kv == "same" else dtype_kv
+    for archs in [(Arch.SM80,), (Arch.SM90A,), (Arch.SM80, Arch.SM90A)]:
+        spec = replace(decode_spec, kind=kind, dtype_q=dtype, dtype_kv=kv, dtype_o=dtype, head_dim_qk=512,
+                       head_dim_vo=512, archs=archs, use_logits_soft_cap=True, use_sliding_window=True)
+        assert check(spec) == []
+
+
+def test_fa2_prefill_512_takes_custom_mask_and_pos_encodings(decode_spec):
+    base = replace(decode_spec, kind=Kind.PREFILL, head_dim_qk=512, head_dim_vo=512)
+    assert check(replace(base, use_custom_mask=True)) == []
+    for pos in (PosEncoding.ROPE_LLAMA, PosEncoding.ALIBI):
+        assert check(replace(base, pos_encoding=pos)) == []
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+def test_fa3_refuses_512_by_its_own_rule_alone_naming_fa2(decode_spec, dtype):
+    spec = replace(decode_spec, **FA3, dtype_q=dtype, dtype_kv=dtype, dtype_o=dtype, head_dim_qk=512, head_dim_vo=512)
+    assert [r.id for r in check(spec)] == ["fa3-head-dim-512"]
+    assert "use backend fa2" in str(_error(spec))
+
+
+@pytest.mark.parametrize("arch", [Arch.SM86, Arch.SM89])
+def test_fa2_prefill_512_refuses_small_smem_archs_alone(decode_spec, arch):
+    """sm86/sm89 give a CTA 99 KB: the hd 512 prefill tiles (~113 KB) do not fit; decode (48 KB) does."""
+    spec = replace(decode_spec, kind=Kind.PREFILL, head_dim_qk=512, head_dim_vo=512, archs=(Arch.SM80, arch))
+    assert [r.id for r in check(spec)] == ["fa2-head-dim-512-smem"]
+    assert "sm80 or sm90" in str(_error(spec))
+    assert check(replace(spec, kind=Kind.DECODE)) == []
+    assert check(replace(spec, head_dim_qk=256, head_dim_vo=256)) == []

@@ -15,8 +15,9 @@ from attnforge.codegen.rules import (FA2_PREFILL_HEAD_DIMS, FA3_PREFILL_HEAD_DIM
                                       check)
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 
-# Every common head dim, plus refused ones: off the 16-grid (72), uninstantiated (48, 144), too wide (512).
-HEAD_DIMS = (48, 64, 72, 80, 96, 112, 128, 144, 160, 192, 224, 256, 512)
+# Every common head dim and 512 (fa2 only), plus refused ones: off the 16-grid (72), uninstantiated
+# (48, 144), too wide (384).
+HEAD_DIMS = (48, 64, 72, 80, 96, 112, 128, 144, 160, 192, 224, 256, 384, 512)
 
 
 @st.composite
@@ -123,4 +124,4 @@ def test_head_dim_refusals_are_exactly_the_head_dim_rules(spec):
         assert ids == []
     else:
         assert len(ids) == 1 and ids[0] in {"head-dims-multiple-of-16", "prefill-head-dims-max-256",
-                                             "fa3-head-dims", "fa2-prefill-head-dims"}, ids
+                                             "fa3-head-dims", "fa2-prefill-head-dims", "fa3-head-dim-512"}, ids

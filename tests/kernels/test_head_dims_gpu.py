@@ -1,7 +1,9 @@
 """Every padded head dim (80, 96, 112, 160, 192, 224: rows that do not fill whole 128-byte lines or
-power-of-two lane groups) in every kernel family, and fa3 fp8 at 64, 96 and 192 (tile dims 128 and
-256), and qk > vo pairs in prefill (fa2 (256, 128) and (256, 64); fa3 (256, 64) on its narrow kv
-tiles and (160, 96) with both dims padded), against attnforge.reference.
+power-of-two lane groups) in every kernel family, fa3 fp8 at 64, 96 and 192 (tile dims 128 and
+256), qk > vo pairs in prefill (fa2 (256, 128) and (256, 64); fa3 (256, 64) on its narrow kv tiles
+and (160, 96) with both dims padded), and head dim 512 in fa2's (decode rows of two cells a lane;
+prefill o split over two CTAs, each storing its half of the columns, one the lse), against
+attnforge.reference.
 
 The modules are those of head_dims_manifest.toml beside this file (build them at once first:
 `attnforge build --manifest tests/kernels/head_dims_manifest.toml`). Shapes reach the padding's edge
@@ -39,7 +41,9 @@ SPECS = manifest.load(Path(__file__).with_name("head_dims_manifest.toml")).specs
 
 
 def _specs(kind: Kind, backend: Backend, fp8_q: bool = False) -> list:
-    return [s for s in SPECS if s.kind is kind and s.backend is backend and s.dtype_q.is_fp8 == fp8_q]
+    """The plain modules of a family (plans without a mask, window or cap load those)."""
+    return [s for s in SPECS if s.kind is kind and s.backend is backend and s.dtype_q.is_fp8 == fp8_q
+            and not (s.use_custom_mask or s.use_sliding_window or s.use_logits_soft_cap)]
 
 
 def _id(spec) -> str:
@@ -275,3 +279,43 @@ def test_fa3_fp8_tensor_core_decode(spec, group, page_size):
                                                    causal=True, o_dtype=torch.float32)
     v_max = v.to(fp8).float().abs().max().item() * FP8_SCALES["v_scale"]
     assert_close_fp8(out, lse, o_ref, lse_ref, v_max, f"fa3 fp8 tensor-core decode {_id(spec)} group {group} page {page_size}")
+
+
+WIDE = [s for s in SPECS if s.head_dim_qk == 512 and s.use_custom_mask]
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("layout", ["paged", "ragged"])
+@pytest.mark.parametrize("spec", WIDE, ids=_id)
+def test_fa2_512_mask_window_cap_sinks(spec, layout, split):
+    """Head dim 512 with every compiled-in variant at once (custom mask, sliding window, soft cap) and
+    attention sinks, split over kv chunks or not: both o slices must mask, cap and join the sink alike,
+    and the merge must see whole 512-column partial rows."""
+    dim, heads = 512, (8, 2)
+    q_dtype = TORCH_DTYPE[spec.dtype_q.short]
+    gen = torch.Generator(device=DEVICE).manual_seed(512 + split)
+    q = randn(gen, sum(QO_LENS), heads[0], dim).to(q_dtype)
+    k, v = randn(gen, sum(KV_LENS), heads[1], dim), randn(gen, sum(KV_LENS), heads[1], dim)
+    mask = torch.rand(sum(a * b for a, b in zip(QO_LENS, KV_LENS)), device=DEVICE, generator=gen) < 0.7
+    sinks = randn(gen, heads[0])
+    options = dict(custom_mask=mask, window_left=90, logits_soft_cap=30.0, q_data_type=q_dtype, kv_data_type=q_dtype,
+                   o_data_type=q_dtype, **(dict(fixed_split_size=64) if split else dict(disable_split_kv=True)))
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEVICE)
+    out, lse = poisoned(q.shape[0], heads[0], dim, q_dtype)
+    k_in, v_in = k.to(q_dtype), v.to(q_dtype)
+    if layout == "ragged":
+        wrapper = attnforge.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend="fa2")
+        wrapper.plan(indptr_of(QO_LENS), indptr_of(KV_LENS), *heads, dim, **options)
+        wrapper.run(q, k_in, v_in, out=out, lse=lse, return_lse=True, sinks=sinks)
+    else:
+        cache, indptr, ids, last = paged_cache(k, v, KV_LENS, 16, q_dtype, gen)
+        wrapper = attnforge.BatchPrefillWithPagedKVCacheWrapper(workspace, backend="fa2")
+        wrapper.plan(indptr_of(QO_LENS), indptr, ids, last, *heads, dim, 16, **options)
+        wrapper.run(q, cache, out=out, lse=lse, return_lse=True, sinks=sinks)
+    bits = indptr_of([a * b for a, b in zip(QO_LENS, KV_LENS)])
+    packed, mask_indptr = attnforge.segment_packbits(mask, bits.to(DEVICE), bitorder="little")
+    o_ref, lse_ref = reference.batch_prefill_ragged(q.float(), k_in.float(), v_in.float(), indptr_of(QO_LENS),
+                                                    indptr_of(KV_LENS), window_left=90, logits_soft_cap=30.0,
+                                                    packed_custom_mask=packed, mask_indptr=mask_indptr, sinks=sinks)
+    what = f"fa2 prefill {layout} {_id(spec)} mask+window+cap+sinks split={split}"
+    assert_close(out, lse, o_ref, lse_ref, q_dtype, what)

@@ -21,7 +21,7 @@ FA3_RULES = sorted(rule.id for rule in RULES if rule.id.startswith("fa3-"))
 
 @st.composite
 def prefill_specs(draw) -> KernelSpec:
-    dims = draw(st.sampled_from([(64, 64), (128, 128), (256, 256), (192, 128), (96, 96)]))
+    dims = draw(st.sampled_from([(64, 64), (128, 128), (256, 256), (192, 128), (96, 96), (512, 512)]))
     dtype_q = draw(st.sampled_from(list(DType)))
     return KernelSpec(
         kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=dtype_q,
@@ -45,6 +45,14 @@ def test_auto_picks_fa3_exactly_when_every_fa3_rule_passes(spec):
     resolved = dispatch.resolve_backend("auto", spec)
     assert resolved.backend is (Backend.FA3 if fa3_ok else Backend.FA2)
     assert check(resolved) == []
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+def test_auto_is_fa2_at_head_dim_512_on_hopper(dtype):
+    """fa3 refuses 512 (fa3-head-dim-512): auto prefill and tensor-core decode run fa2 there."""
+    spec = KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=dtype, dtype_kv=dtype, dtype_o=dtype,
+                      head_dim_qk=512, head_dim_vo=512, archs=(Arch.SM90A,))
+    assert dispatch.resolve_backend("auto", spec).backend is Backend.FA2
 
 
 @pytest.mark.parametrize("arch", [Arch.SM80, Arch.SM86, Arch.SM89])
@@ -71,6 +79,7 @@ def test_auto_falls_back_to_fa2_for_16bit_q_with_fp8_kv_on_hopper(dtype_kv):
     ("fa3-no-custom-mask", dict(use_custom_mask=True)),
     ("fa3-no-pos-encoding", dict(pos_encoding=PosEncoding.ROPE_LLAMA)),
     ("fa3-head-dims", dict(head_dim_qk=144, head_dim_vo=144)),
+    ("fa3-head-dim-512", dict(head_dim_qk=512, head_dim_vo=512)),
     ("fa3-needs-sm90a", dict(archs=(Arch.SM80,))),
     ("fa3-fp8-head-dims", dict(dtype_q=DType.E4M3, dtype_kv=DType.E4M3, head_dim_qk=80, head_dim_vo=80)),
 ])
@@ -88,7 +97,7 @@ def test_explicit_fa3_is_refused_with_the_rule_and_its_suggestion(rule_id, chang
 def test_every_fa3_rule_is_exercised_above():
     covered = {"fa3-fp8-kv-needs-fp8-q", "fa3-no-custom-mask", "fa3-no-pos-encoding", "fa3-head-dims",
                "fa3-needs-sm90a", "fa3-only-sm90a", "fa3-same-dtype-family",
-               "fa3-fp8-head-dims"}
+               "fa3-fp8-head-dims", "fa3-head-dim-512"}
     assert set(FA3_RULES) <= covered, f"add a selection test for {set(FA3_RULES) - covered}"
 
 

@@ -16,7 +16,7 @@ from attnforge.loader import load_uncached
 
 pytestmark = pytest.mark.nvcc
 
-UNPADDED = {(64, 64), (128, 128), (256, 256), (192, 128)}
+UNPADDED = {(64, 64), (128, 128), (256, 256), (192, 128), (512, 512)}
 FAMILIES = [(Kind.DECODE, Backend.FA2, DECODE_HEAD_DIMS), (Kind.PREFILL, Backend.FA2, FA2_PREFILL_HEAD_DIMS),
             (Kind.PREFILL, Backend.FA3, FA3_PREFILL_HEAD_DIMS)]
 SPECS = [KernelSpec(kind=kind, backend=backend, dtype_q=DType.BF16, dtype_kv=DType.BF16, dtype_o=DType.BF16,
@@ -54,6 +54,10 @@ PADDED_FP8 = [KernelSpec(kind=Kind.PREFILL, backend=Backend.FA3, dtype_q=fp8, dt
                          head_dim_qk=dim, head_dim_vo=dim, archs=(Arch.SM90A,))
               for fp8, dim in [(DType.E4M3, 96), (DType.E5M2, 192)]]
 SPECS += PADDED_FP8
+# Head dim 512 (fa2 only) on sm_80 too: its prefill tiles (~113 KB of shared memory, o split over two
+# CTAs) must fit sm80's 163 KB (a static_assert), fp16 where the sm_90a modules above are bf16.
+SPECS += [KernelSpec(kind=kind, backend=Backend.FA2, dtype_q=DType.FP16, dtype_kv=DType.FP16, dtype_o=DType.FP16,
+                     head_dim_qk=512, head_dim_vo=512, archs=(Arch.SM80,)) for kind in (Kind.DECODE, Kind.PREFILL)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])

@@ -71,14 +71,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   const int cta_slot = head_tile * T::kHeadsPerCta;
   const int first_slot = cta_slot + ty * H;
 
-  // Each thread copies the same kChunksPerThread chunks of every tile: column tid % kBdx of rows
-  // tid / kBdx + c * kRowsPerPass. Thread r < kTileTokens owns row r's offset. Branch-free: a row
+  // Each thread copies the same kChunksPerThread chunks of every tile: cell tid % kRowCells of rows
+  // tid / kRowCells + c * kRowsPerPass. Thread r < kTileTokens owns row r's offset. Branch-free: a row
   // past the range keeps page 0's address and copies zeros (its validity is recomputed at issue
   // instead of being carried in the offset). Offsets are in bytes so that issuing a copy is one
   // 64-bit add per tensor.
-  constexpr int kRowsPerPass = T::kThreads / T::kBdx;
-  const int copy_row = tid / T::kBdx;
-  const int copy_cell = tid % T::kBdx;
+  constexpr int kRowsPerPass = T::kThreads / T::kRowCells;
+  const int copy_row = tid / T::kRowCells;
+  const int copy_cell = tid % T::kRowCells;
   const int copy_col = copy_cell * T::kVec;
   const bool row_owner = tid < T::kTileTokens;
   const auto* k_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head + copy_col);
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   };
   // After the kv loop every token lane's state is in smem.lanes, except that the CUDA-core tile's
   // lane 0 keeps its own in `st`; token lane 0's threads then merge the others into st.
-  SoftmaxState<T::kVec> st[H];
+  SoftmaxState<T::kLaneDim> st[H];
   constexpr int kFirstMergedLane = T::kMmaTile ? 0 : 1;
   constexpr int kNumLanes = T::kMmaTile ? T::kWarps : T::kBdz;
   if constexpr (T::kMmaTile) {
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     }
     typename T::Query q;  // slot h: head h ^ owner.head (see ScoreOwner)
     if constexpr (T::kPackedMath) {
-      float qf[H][T::kVec];
+      float qf[H][T::kLaneDim];
       load_query<T>(p, request, kv_head, first_slot, owner, at, tx, qf);
       pack_query<T>(qf, p.score_scale, q);
     } else {
@@ -190,10 +190,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
 #pragma unroll
       for (int h = 0; h < H; ++h) {
 #pragma unroll
-        for (int e = 0; e < T::kVec; ++e) q[h][e] *= p.score_scale;
+        for (int e = 0; e < T::kLaneDim; ++e) q[h][e] *= p.score_scale;
       }
     }
-    float o[H][T::kVec] = {};
+    float o[H][T::kLaneDim] = {};
     OwnedHead own;
     run_tiles([&](int stage, int valid_rows) {
       decode_tile<T>(smem.ring.k[stage], smem.ring.v[stage], q, owner, at, valid_rows, p.post_scale, smem.rows[tz][ty],
@@ -209,14 +209,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
       st[h].m = __shfl_sync(0xffffffffu, own.m, owner_lane, T::kBdx);
       st[h].d = __shfl_sync(0xffffffffu, own.d, owner_lane, T::kBdx);
 #pragma unroll
-      for (int e = 0; e < T::kVec; ++e) st[h].o[e] = o[h][e];
+      for (int e = 0; e < T::kLaneDim; ++e) st[h].o[e] = o[h][e];
     }
     if constexpr (T::kBdz > 1) {
       __syncthreads();  // every lane is done reading the ring the lane states overwrite
 #pragma unroll
       for (int h = 0; h < H; ++h) {
 #pragma unroll
-        for (int e = 0; e < T::kVec; ++e) smem.lanes.o[tz][ty * H + h][tx * T::kVec + e] = st[h].o[e];
+        for (int e = 0; e < T::kLaneDim; ++e) smem.lanes.o[tz][ty * H + h][tx * T::kLaneDim + e] = st[h].o[e];
         if (tx == 0) {
           smem.lanes.m[tz][ty * H + h] = st[h].m;
           smem.lanes.d[tz][ty * H + h] = st[h].d;
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
 #pragma unroll
         for (int h = 0; h < H; ++h) {
           st[h].merge(smem.lanes.m[lane][ty * H + h], smem.lanes.d[lane][ty * H + h],
-                      &smem.lanes.o[lane][ty * H + h][tx * T::kVec]);
+                      &smem.lanes.o[lane][ty * H + h][tx * T::kLaneDim]);
         }
       }
     }
@@ -252,19 +252,27 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
       inv_d *= joined.scale;
       lse = joined.lse;
     }
-    float out[T::kVec];
+    float out[T::kCellsPerLane][T::kVec];
 #pragma unroll
-    for (int e = 0; e < T::kVec; ++e) out[e] = st[h].o[e] * inv_d;
+    for (int c = 0; c < T::kCellsPerLane; ++c) {
+#pragma unroll
+      for (int e = 0; e < T::kVec; ++e) out[c][e] = st[h].o[c * T::kVec + e] * inv_d;
+    }
     if (slot < 0) {
       auto* o_row = static_cast<typename T::DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h;
-      common::store_float(o_row + tx * T::kVec, out);
+#pragma unroll
+      for (int c = 0; c < T::kCellsPerLane; ++c) common::store_float(o_row + T::lane_col(tx, c), out[c]);
       if (p.lse != nullptr && tx == 0) static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] = lse;
     } else {
       const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
-      float* partial = static_cast<float*>(p.tmp_v) + row * T::kHeadDim + tx * T::kVec;
+      float* partial = static_cast<float*>(p.tmp_v) + row * T::kHeadDim;
 #pragma unroll
-      for (int e = 0; e < T::kVec; e += 4) {
-        *reinterpret_cast<float4*>(partial + e) = make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
+      for (int c = 0; c < T::kCellsPerLane; ++c) {
+#pragma unroll
+        for (int e = 0; e < T::kVec; e += 4) {
+          *reinterpret_cast<float4*>(partial + T::lane_col(tx, c) + e) =
+              make_float4(out[c][e], out[c][e + 1], out[c][e + 2], out[c][e + 3]);
+        }
       }
       if (tx == 0) static_cast<float*>(p.tmp_s)[row] = lse;
     }

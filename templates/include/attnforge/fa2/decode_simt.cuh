@@ -4,9 +4,10 @@
 //   with (SoftmaxState, used by both tiles).
 //
 // Contract:
-//   - Thread (tx, ty, tz): tx owns kVec consecutive elements of the head dim (one 16-byte vector of
-//     the KV cache: 8 bf16/fp16 or 16 fp8 elements), ty a group of kHeadsPerThread query heads, tz a
-//     token lane that takes every kBdz-th row of a KV tile.
+//   - Thread (tx, ty, tz): tx owns kCellsPerLane cells of kVec consecutive elements of the head dim
+//     (one 16-byte vector of the KV cache: 8 bf16/fp16 or 16 fp8 elements; cells tx + c x kBdx, two
+//     at 16-bit hd 512, else one), kLaneDim elements in all; ty a group of kHeadsPerThread query
+//     heads, tz a token lane that takes every kBdz-th row of a KV tile.
 //   - The kBdx lanes of a row (a lane group) reduce-scatter their partial dot products so that each
 //     finished score lives in one lane (ScoreOwner), which applies soft cap, mask and exp2 once; the
 //     probabilities reach every lane of the group for P.V through LaneGroupRows in shared memory.
@@ -55,6 +56,12 @@ struct SoftmaxState {
     m = m_new;
   }
 };
+
+// Cell c of a lane's kLaneDim elements (row columns lane_col(tx, c) ..): kVec of them.
+template <typename T, typename E>
+__device__ __forceinline__ auto& lane_cell(E (&x)[T::kLaneDim], int c) {
+  return *reinterpret_cast<E(*)[T::kVec]>(&x[c * T::kVec]);
+}
 
 // The scores a lane finishes after the reduce-scatter: tokens [token, token + kScoresPerLane) of
 // the tile's kTokensPerLane (this lane group's rows) for head slot `head` of kHeadsPerThread.
@@ -138,42 +145,50 @@ template <typename T>
 __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, const typename T::DTypeKV* v_tile,
                                             const typename T::Query& q, ScoreOwner owner, const DecodePositions& at,
                                             int valid_rows, float post_scale, typename T::LaneGroupRows& rows,
-                                            OwnedHead& own, float (&o)[T::kHeadsPerThread][T::kVec]) {
+                                            OwnedHead& own, float (&o)[T::kHeadsPerThread][T::kLaneDim]) {
   using Vec = common::Vec16<typename T::DTypeKV>;
   constexpr int H = T::kHeadsPerThread;
   constexpr int kTokens = T::kTokensPerLane;
   const int tx = threadIdx.x, tz = threadIdx.z;
   // Token j of this lane group is tile row j * kBdz + tz: neighbouring warps read neighbouring rows.
-  const int lane_offset = tz * T::kRowDim + tx * T::kVec;
+  const int lane_offset = tz * T::kRowDim + tx * T::kVec;  // of its cell 0; cell c is c x kBdx x kVec further
+  constexpr int kCellStride = T::kBdx * T::kVec;
   constexpr int kTokenStride = T::kBdz * T::kRowDim;
 
   float s[T::kScores];  // slot (h, j) at h * kTokens + j
   half2 dots[T::kPackedMath ? T::kScores : 1];  // packed math: the slots' even and odd columns
 #pragma unroll
   for (int j = 0; j < kTokens; ++j) {
-    const uint4& k_raw = *reinterpret_cast<const uint4*>(k_tile + (j ^ owner.token) * kTokenStride + lane_offset);
+    const typename T::DTypeKV* k_row = k_tile + (j ^ owner.token) * kTokenStride + lane_offset;
     if constexpr (T::kPackedMath) {
-      half2 kh[T::kVec / 2];
-      Vec::to_half2(k_raw, kh);
+      half2 kh[T::kLaneDim / 2];
+#pragma unroll
+      for (int c = 0; c < T::kCellsPerLane; ++c) {
+        Vec::to_half2(*reinterpret_cast<const uint4*>(k_row + c * kCellStride),
+                      *reinterpret_cast<half2(*)[T::kVec / 2]>(&kh[c * T::kVec / 2]));
+      }
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         half2 dot = __hmul2(q.q[h][0], kh[0]);
 #pragma unroll
-        for (int e = 1; e < T::kVec / 2; ++e) dot = __hfma2(q.q[h][e], kh[e], dot);
+        for (int e = 1; e < T::kLaneDim / 2; ++e) dot = __hfma2(q.q[h][e], kh[e], dot);
         dots[h * kTokens + j] = dot;
       }
     } else {
-      float kf[T::kVec];
-      Vec::to_float(k_raw, kf);
-      if constexpr (T::kRope) {
-        const int row = (j ^ owner.token) * T::kBdz + tz;
-        rope_cell<T>(k_tile + row * T::kRowDim, tx * T::kVec, at.tile_first + row, at, kf);
+      float kf[T::kLaneDim];
+#pragma unroll
+      for (int c = 0; c < T::kCellsPerLane; ++c) {
+        Vec::to_float(*reinterpret_cast<const uint4*>(k_row + c * kCellStride), lane_cell<T>(kf, c));
+        if constexpr (T::kRope) {
+          const int row = (j ^ owner.token) * T::kBdz + tz;
+          rope_cell<T>(k_tile + row * T::kRowDim, T::lane_col(tx, c), at.tile_first + row, at, lane_cell<T>(kf, c));
+        }
       }
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         float dot = 0.f;
 #pragma unroll
-        for (int e = 0; e < T::kVec; ++e) dot = fmaf(q[h][e], kf[e], dot);
+        for (int e = 0; e < T::kLaneDim; ++e) dot = fmaf(q[h][e], kf[e], dot);
         s[h * kTokens + j] = dot;
       }
     }
@@ -226,28 +241,32 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
 #pragma unroll
     for (int h = 0; h < H; ++h) {
 #pragma unroll
-      for (int e = 0; e < T::kVec; ++e) o[h][e] *= rescale.h[h];
+      for (int e = 0; e < T::kLaneDim; ++e) o[h][e] *= rescale.h[h];
     }
   }
   if constexpr (T::kPackedMath) {
     // This tile's P.V in fp16, then added into the fp32 o.
-    half2 pv[H][T::kVec / 2];
+    half2 pv[H][T::kLaneDim / 2];
 #pragma unroll
     for (int j = 0; j < kTokens; ++j) {
-      half2 vh[T::kVec / 2];
-      Vec::to_half2(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset), vh);
+      half2 vh[T::kLaneDim / 2];
+#pragma unroll
+      for (int c = 0; c < T::kCellsPerLane; ++c) {
+        Vec::to_half2(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset + c * kCellStride),
+                      *reinterpret_cast<half2(*)[T::kVec / 2]>(&vh[c * T::kVec / 2]));
+      }
       const typename T::ProbRow p = rows.probs[j];
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         const half2 ph = __half2half2(p.h[h]);
 #pragma unroll
-        for (int e = 0; e < T::kVec / 2; ++e) pv[h][e] = j == 0 ? __hmul2(ph, vh[e]) : __hfma2(ph, vh[e], pv[h][e]);
+        for (int e = 0; e < T::kLaneDim / 2; ++e) pv[h][e] = j == 0 ? __hmul2(ph, vh[e]) : __hfma2(ph, vh[e], pv[h][e]);
       }
     }
 #pragma unroll
     for (int h = 0; h < H; ++h) {
 #pragma unroll
-      for (int e = 0; e < T::kVec / 2; ++e) {
+      for (int e = 0; e < T::kLaneDim / 2; ++e) {
         const float2 f = __half22float2(pv[h][e]);
         o[h][2 * e] = fmaf(f.x, 1.f / T::kProbScale, o[h][2 * e]);
         o[h][2 * e + 1] = fmaf(f.y, 1.f / T::kProbScale, o[h][2 * e + 1]);
@@ -256,34 +275,41 @@ __device__ __forceinline__ void decode_tile(const typename T::DTypeKV* k_tile, c
   } else {
 #pragma unroll
     for (int j = 0; j < kTokens; ++j) {
-      float vf[T::kVec];
-      Vec::to_float(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset), vf);
+      float vf[T::kLaneDim];
+#pragma unroll
+      for (int c = 0; c < T::kCellsPerLane; ++c) {
+        Vec::to_float(*reinterpret_cast<const uint4*>(v_tile + j * kTokenStride + lane_offset + c * kCellStride),
+                      lane_cell<T>(vf, c));
+      }
       const typename T::ProbRow p = rows.probs[j];
 #pragma unroll
       for (int h = 0; h < H; ++h) {
 #pragma unroll
-        for (int e = 0; e < T::kVec; ++e) o[h][e] = fmaf(p.h[h], vf[e], o[h][e]);
+        for (int e = 0; e < T::kLaneDim; ++e) o[h][e] = fmaf(p.h[h], vf[e], o[h][e]);
       }
     }
   }
 }
 
-// This thread's kVec columns of q, slot h holding head h ^ owner.head of the group (zeros on a
-// padding lane, tx >= kCells); with RoPE rotated at the query's position.
+// This thread's kLaneDim columns of q (cells lane_col(tx, c)), slot h holding head h ^ owner.head of
+// the group (zeros on a padding lane, tx >= kCells); with RoPE rotated at the query's position.
 template <typename T>
 __device__ __forceinline__ void load_query(const typename T::Params& p, int request, int kv_head, int first_slot,
                                            ScoreOwner owner, const DecodePositions& at, int tx,
-                                           float (&q)[T::kHeadsPerThread][T::kVec]) {
+                                           float (&q)[T::kHeadsPerThread][T::kLaneDim]) {
 #pragma unroll
   for (int h = 0; h < T::kHeadsPerThread; ++h) {
     const int qo_head = kv_head * p.group_size + min(first_slot + (h ^ owner.head), p.group_size - 1);
     const auto* q_row = static_cast<const typename T::DTypeQ*>(p.q) + request * p.q_stride_n + qo_head * p.q_stride_h;
     if (tx < T::kCells) {
-      common::load_float(q_row + tx * T::kVec, q[h]);
-      if constexpr (T::kRope) rope_cell<T>(q_row, tx * T::kVec, at.query, at, q[h]);
+#pragma unroll
+      for (int c = 0; c < T::kCellsPerLane; ++c) {
+        common::load_float(q_row + T::lane_col(tx, c), lane_cell<T>(q[h], c));
+        if constexpr (T::kRope) rope_cell<T>(q_row, T::lane_col(tx, c), at.query, at, lane_cell<T>(q[h], c));
+      }
     } else {
 #pragma unroll
-      for (int e = 0; e < T::kVec; ++e) q[h][e] = 0.f;  // a padding lane: adds 0 to every score
+      for (int e = 0; e < T::kLaneDim; ++e) q[h][e] = 0.f;  // a padding lane: adds 0 to every score
     }
   }
 }
@@ -291,20 +317,20 @@ __device__ __forceinline__ void load_query(const typename T::Params& p, int requ
 // q as half2 times the largest power of two that keeps the lane group's max |q| within kQueryBound
 // (one power for the group, so the finished scores, summed across its lanes, share the unscale).
 template <typename T>
-__device__ __forceinline__ void pack_query(const float (&qf)[T::kHeadsPerThread][T::kVec], float score_scale,
+__device__ __forceinline__ void pack_query(const float (&qf)[T::kHeadsPerThread][T::kLaneDim], float score_scale,
                                            typename T::Query& q) {
   float max_abs = 0.f;
 #pragma unroll
   for (int h = 0; h < T::kHeadsPerThread; ++h) {
 #pragma unroll
-    for (int e = 0; e < T::kVec; ++e) max_abs = fmaxf(max_abs, fabsf(qf[h][e]));
+    for (int e = 0; e < T::kLaneDim; ++e) max_abs = fmaxf(max_abs, fabsf(qf[h][e]));
   }
   const float scale = common::pow2_scale_within(T::kQueryBound, common::lane_group_max<T::kBdx>(max_abs));
   q.unscale = score_scale / scale;
 #pragma unroll
   for (int h = 0; h < T::kHeadsPerThread; ++h) {
 #pragma unroll
-    for (int e = 0; e < T::kVec / 2; ++e) q.q[h][e] = __floats2half2_rn(qf[h][2 * e] * scale, qf[h][2 * e + 1] * scale);
+    for (int e = 0; e < T::kLaneDim / 2; ++e) q.q[h][e] = __floats2half2_rn(qf[h][2 * e] * scale, qf[h][2 * e + 1] * scale);
   }
 }
 

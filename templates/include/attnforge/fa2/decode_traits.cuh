@@ -36,7 +36,7 @@ constexpr float kHalfMax = 65504.f;
 
 // q of one thread for an fp8 cache, as half2 pairs (slot h: head h ^ owner.head, like the fp32 q).
 // A 16-bit q times a power of two is exact in fp16; the power is chosen per lane group so that no
-// partial dot product over kVec fp8 values can leave fp16's range, and unscale (score_scale over
+// partial dot product over a lane's kVec fp8 values can leave fp16's range, and unscale (score_scale over
 // that power) turns a finished score into a base-2 logit.
 template <int kHeads, int kVec>
 struct PackedQuery {
@@ -64,19 +64,26 @@ struct DecodeTraits {
   // runs as kRowDim = kBdx x kVec: the extra lanes' copies are zero-filled without reading memory
   // and their q is zero, so they add 0 to every dot product and nothing to memory traffic, and
   // their o columns are never stored. Tiles and the ring are sized for kRowDim.
+  // A row of more than 32 cells (16-bit hd 512: 64) cannot take a lane per cell, since a lane group
+  // must stay inside a warp: each of 32 lanes takes kCellsPerLane cells, kBdx cells apart (cell
+  // tx + c x kBdx), so a warp's reads of one cell index stay 512 contiguous bytes (no bank conflict).
   static constexpr int kCells = kHeadDim / kVec;  // 16-byte cells of a real KV row
+  static constexpr int kCellsPerLane = kCells > 32 ? kCells / 32 : 1;
   static constexpr int kBdx = [] {
     int lanes = 1;
-    while (lanes < kCells) lanes *= 2;
+    while (lanes < kCells / kCellsPerLane) lanes *= 2;
     return lanes;
   }();
-  static constexpr int kRowDim = kBdx * kVec;  // the row in the ring, padding included
+  static constexpr int kLaneDim = kCellsPerLane * kVec;  // elements of a row one lane holds
+  static constexpr int kRowCells = kBdx * kCellsPerLane;  // cells of a ring row, padding included
+  static constexpr int kRowDim = kRowCells * kVec;        // the row in the ring, padding included
   static constexpr bool kPaddedRow = kRowDim != kHeadDim;
   // A thread serves several heads so that each K/V element it loads and converts feeds all of
   // them: the kernel is issue-bound long before it is bandwidth-bound otherwise. q and o take
-  // 2 x kHeadsPerThread x kVec floats; capped at 2 x 32 they stay in registers under the
-  // 128-register bound of 4 CTAs per SM: four heads of a 16-bit cache, two of an fp8 one.
-  static constexpr int kMaxHeadsPerThread = 32 / kVec;
+  // 2 x kHeadsPerThread x kLaneDim floats; capped at 2 x 32 they stay in registers under the
+  // 128-register bound of 4 CTAs per SM: four heads of a 16-bit cache, two of an fp8 one or of a
+  // 16-bit hd 512 row (16 elements a lane).
+  static constexpr int kMaxHeadsPerThread = 32 / kLaneDim;
   static constexpr int kHeadsPerThread = kHeadsPerCta < kMaxHeadsPerThread ? kHeadsPerCta : kMaxHeadsPerThread;
   static constexpr int kBdy = kHeadsPerCta / kHeadsPerThread;  // head groups per CTA
   static constexpr int kThreads = 128;
@@ -90,9 +97,12 @@ struct DecodeTraits {
   static constexpr int kWarps = kThreads / 32;
   // Padded rows keep the CUDA-core tile: the MMA tile's chunks read whole rows of the ring. So does
   // a position encoding: the CUDA-core tile rotates each K cell (RoPE) and biases each finished
-  // score (ALiBi) where it holds them in registers, which the MMA fragments would scatter.
-  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && !kPaddedRow && kBdx % 8 == 0 &&
-                                   (kHeadDim <= 128 || sizeof(DTypeKV) == 1) && kPosEncoding == kPosNone;
+  // score (ALiBi) where it holds them in registers, which the MMA fragments would scatter. So does
+  // hd 512 (any cache): 64 rows of 512 bytes or more per stage would leave the ring 192 KB or more,
+  // past sm80's 163 KB.
+  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && !kPaddedRow && kBdx % 8 == 0 && kCellsPerLane == 1 &&
+                                   (kHeadDim <= 128 || (sizeof(DTypeKV) == 1 && kHeadDim <= 256)) &&
+                                   kPosEncoding == kPosNone;
   static constexpr int kMmaChunks = kHeadDim / 16;
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
   // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM, which
@@ -102,7 +112,7 @@ struct DecodeTraits {
   static constexpr int kTokensPerLane = kTileTokens / kBdz;
   static constexpr int kStages = 3;
   static constexpr int kMinCtasPerSm = 8192 * 4 / (kTileTokens * kRowDim * int(sizeof(DTypeKV)));
-  static constexpr int kChunksPerTile = kTileTokens * kBdx;  // 16-byte chunks in one K (or V) tile
+  static constexpr int kChunksPerTile = kTileTokens * kRowCells;  // 16-byte chunks in one K (or V) tile
   static constexpr int kChunksPerThread = kChunksPerTile / kThreads;
   static constexpr int kOffsetSlots = kStages - 1;  // tiles whose row offsets wait in shared memory
 
@@ -117,19 +127,20 @@ struct DecodeTraits {
   // RoPE keeps the fp32 math: a rotated fp8 key is no longer exact in fp16, and up to sqrt(2) x
   // kMaxKv, past the bound kQueryBound assumes.
   static constexpr bool kPackedMath = sizeof(DTypeKV) == 1 && std::is_same_v<DTypeO, __nv_bfloat16> && !kRope;
-  using Query = std::conditional_t<kPackedMath, PackedQuery<kHeadsPerThread, kVec>, float[kHeadsPerThread][kVec]>;
+  using Query = std::conditional_t<kPackedMath, PackedQuery<kHeadsPerThread, kLaneDim>, float[kHeadsPerThread][kLaneDim]>;
   static constexpr float kMaxKv = [] {
     if constexpr (kPackedMath) return common::Vec16<DTypeKV>::kMaxFinite;
     return 1.f;
   }();
-  static constexpr float kQueryBound = pow2_at_most(kHalfMax / (kVec * kMaxKv));
+  static constexpr float kQueryBound = pow2_at_most(kHalfMax / (kLaneDim * kMaxKv));
   static constexpr float kProbScale =
       kHalfMax >= kTokensPerLane * kMaxKv ? 1.f : pow2_at_most(kHalfMax / (kTokensPerLane * kMaxKv));
 
   static_assert(!kRope || kHeadDim % 16 == 0,
                 "decode RoPE: each half of the head dim must be whole 8-element groups (rule head-dims-multiple-of-16)");
-  static_assert(kHeadDim % kVec == 0 && kBdx <= 32,
-                "decode-head-dims: a KV row must be whole 16-byte cells on at most 32 lanes (rule decode-head-dims)");
+  static_assert(kHeadDim % kVec == 0 && kBdx <= 32 && (kCellsPerLane == 1 || kCells % 32 == 0),
+                "decode-head-dims: a KV row must be whole 16-byte cells on at most 32 lanes, a row wider than 32 "
+                "cells a whole number of cells per lane (rule decode-head-dims)");
   static_assert(kHeadsPerCta % kHeadsPerThread == 0, "decode heads: head groups must tile the CTA's heads");
   static_assert(kBdz >= 1 && kBdx * kBdy * kBdz == kThreads, "decode block: lanes must tile 128 threads");
   static_assert(kChunksPerThread >= 1 && kChunksPerTile % kThreads == 0,
@@ -151,9 +162,11 @@ struct DecodeTraits {
   static_assert(kHeadLanes >= 1 && kTokensPerLane % kScoresPerLane == 0,
                 "decode scores: the scores one lane finishes must belong to one head");
 
-  // Token-lane partial states, merged once the KV ring has drained: [lane][kHeadsPerCta][kHeadDim]
+  // Token-lane partial states, merged once the KV ring has drained: [lane][kHeadsPerCta][kRowDim]
   // and (m, d), one lane per tz, or per warp on the tensor-core tile (where fp8 hd 256 at 8 heads
   // has 2 tz for 4 warps). They reuse the ring's memory, which keeps the CTA near 48 KB (4 per SM).
+  // A head's o row holds lane tx's kLaneDim elements at [tx x kLaneDim, ...): its columns in order
+  // when a lane has one cell (as the tensor-core tile writes them), lane by lane at hd 512.
   static constexpr int kStateLanes = kMmaTile && kWarps > kBdz ? kWarps : kBdz;
   static_assert(!kMmaTile || kStateLanes >= kWarps, "decode mma tile: a token-lane state per warp (share_mma_state)");
   struct LaneStates {
@@ -180,8 +193,10 @@ struct DecodeTraits {
   // Ring row `row`'s 16-byte cell `cell`, in elements: swizzled where ldmatrix reads the rows.
   __device__ __forceinline__ static int ring_element(int row, int cell) {
     if constexpr (kMmaTile) return common::Swizzle128<kBdx>::cell(row, cell) * kVec;
-    return (row * kBdx + cell) * kVec;
+    return (row * kRowCells + cell) * kVec;
   }
+  // The first element of lane tx's cell c (of kCellsPerLane) in a row.
+  __device__ __forceinline__ static int lane_col(int tx, int c) { return (tx + c * kBdx) * kVec; }
   struct SharedStorage {
     union {
       Ring ring;

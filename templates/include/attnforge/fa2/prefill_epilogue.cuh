@@ -4,7 +4,8 @@
 // Contract:
 //   - Direct (slot < 0): o in DTypeO at (qo_begin + token, qo_head), and the base-2 lse when p.lse
 //     is set. Split (slot >= 0): fp32 o and lse at partial row slot + token * num_chunks[request],
-//     which the merge kernel (common/merge.cuh) combines.
+//     which the merge kernel (common/merge.cuh) combines. A CTA stores its kSliceVO columns from
+//     vo_first; the slices' lse are equal, slice 0 stores it.
 //   - A direct row joins its attention sink (p.sinks, common::with_sink); a partial row does not
 //     (the merge joins it). A row that saw no key stores o = 0, lse = -inf (before the sink); a CTA
 //     that met a bad page id stores NaN.
@@ -30,12 +31,13 @@ namespace attnforge::fa2 {
 // Normalize and store this warp's rows: o/lse directly, or the fp32 partial slot of the chunk.
 template <typename T>
 __device__ __forceinline__ void store_rows(const typename T::Params& p, const PrefillRows& rows, const RowCoords<T>& rc,
-                                           int kv_head, int warp_q, int slot,
+                                           int kv_head, int warp_q, int slot, int vo_first,
                                            bool bad_page, PrefillState<T>& st) {
   using DTypeO = typename T::DTypeO;
   const int lane = threadIdx.x % 32;
   const int32_t* plan = static_cast<const int32_t*>(p.plan);
   const int num_chunks = slot >= 0 ? plan[p.off_num_chunks + rows.request] : 0;
+  const bool lse_slice = vo_first == 0;
 #pragma unroll
   for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
@@ -53,7 +55,8 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Pr
           inv_d *= joined.scale;
           lse = joined.lse;
         }
-        DTypeO* o_row = static_cast<DTypeO*>(p.o) + int64_t(rows.qo_begin + token) * p.o_stride_n + int64_t(qo_head) * p.o_stride_h;
+        DTypeO* o_row = static_cast<DTypeO*>(p.o) + int64_t(rows.qo_begin + token) * p.o_stride_n +
+                        int64_t(qo_head) * p.o_stride_h + vo_first;
 #pragma unroll
         for (int dv = 0; dv < T::kMmaDVO; ++dv) {
 #pragma unroll
@@ -63,12 +66,12 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Pr
                 common::pack2<DTypeO>(st.o[mq][dv][e] * inv_d, st.o[mq][dv][e + kOPairStep<T>] * inv_d);
           }
         }
-        if (p.lse != nullptr && lane % 4 == 0) {
+        if (p.lse != nullptr && lane % 4 == 0 && lse_slice) {
           static_cast<float*>(p.lse)[int64_t(rows.qo_begin + token) * p.num_qo_heads + qo_head] = lse;
         }
       } else {
         const int64_t prow = int64_t(slot + token * num_chunks) * p.num_qo_heads + qo_head;
-        float* partial = static_cast<float*>(p.tmp_v) + prow * T::kHeadDimVO;
+        float* partial = static_cast<float*>(p.tmp_v) + prow * T::kHeadDimVO + vo_first;
 #pragma unroll
         for (int dv = 0; dv < T::kMmaDVO; ++dv) {
 #pragma unroll
@@ -78,7 +81,7 @@ __device__ __forceinline__ void store_rows(const typename T::Params& p, const Pr
                 make_float2(st.o[mq][dv][e] * inv_d, st.o[mq][dv][e + kOPairStep<T>] * inv_d);
           }
         }
-        if (lane % 4 == 0) static_cast<float*>(p.tmp_s)[prow] = lse;
+        if (lane % 4 == 0 && lse_slice) static_cast<float*>(p.tmp_s)[prow] = lse;
       }
     }
   }

@@ -2,9 +2,10 @@
 //   or ragged KV, composed from the prefill role headers; with its launch and occupancy query.
 //
 // Contract:
-//   grid = (work_capacity, num_kv_heads); block = 128 threads (4 warps). A CTA takes one planned work
-//   item (request, q tile, kv token range [begin, end)) for one kv head; a work index at or past the
-//   plan's num_work (padding of a static CUDA-graph grid) exits at once. Its kCtaTileQ rows are
+//   grid = (work_capacity, num_kv_heads, kVOSlices); block = 128 threads (4 warps). A CTA takes one
+//   planned work item (request, q tile, kv token range [begin, end)) for one kv head and one slice of
+//   o's columns (all of them below head dim 512); a work index at or past the plan's num_work
+//   (padding of a static CUDA-graph grid) exits at once. Its kCtaTileQ rows are
 //   packed (token, head-in-group) rows, so K/V are read once per group. Warps split the rows
 //   (kCtaTileQ 64/128: 16/32 rows each) or, at kCtaTileQ 16, the columns of every KV tile (their
 //   (m, d, o) states merge through shared memory at the end).
@@ -55,6 +56,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   const int work = blockIdx.x;
   if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
   const int kv_head = blockIdx.y;
+  const int vo_first = T::kVOSlices > 1 ? blockIdx.z * T::kSliceVO : 0;  // this CTA's first column of V and o
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warp_q = warp % T::kWarpsQ, warp_kv = warp / T::kWarpsQ;
 
@@ -96,10 +98,12 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
 
   load_q_tile<T>(reinterpret_cast<DTypeQ*>(smem.tiles.q), p, rows, group, kv_head);
   common::cp_async_commit();
-  if (T::kFp8KV && threadIdx.x == 0) smem.tiles.q_abs_max = 0u;
+  if constexpr (T::kFp8KV) {
+    if (threadIdx.x == 0) smem.tiles.q_abs_max[0] = 0u;
+  }
 
   const auto* k_head = static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head;
-  const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.v_stride_head;
+  const auto* v_head = static_cast<const DTypeKV*>(p.v) + kv_head * p.v_stride_head + vo_first;
   const int32_t* page_ids = static_cast<const int32_t*>(p.indices) + (T::kPagedKV ? plan[p.off_kv_indptr + rows.request] : 0);
   const int kv_token_base = T::kPagedKV ? 0 : plan[p.off_kv_indptr + rows.request];
   const common::FastDivmod page_size(T::kPagedKV ? p.page_size : 1);
@@ -187,7 +191,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     merge_warp_states<T>(smem, warp_kv, st);
     if (warp_kv != 0) return;
   }
-  store_rows<T>(p, rows, rc, kv_head, warp_q, slot, bad_page, st);
+  store_rows<T>(p, rows, rc, kv_head, warp_q, slot, vo_first, bad_page, st);
 }
 
 template <typename T>
@@ -205,17 +209,22 @@ template <typename T>
 cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
   const cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
-  const dim3 grid(p.work_capacity, p.num_kv_heads);
+  const dim3 grid(p.work_capacity, p.num_kv_heads, T::kVOSlices);
   return host::launch_kernel(prefill_kernel<T>, grid, dim3(T::kThreads), sizeof(typename T::SharedStorage), stream,
                              p.enable_pdl != 0, p);
 }
 
+// Work items (CTAs of all kVOSlices slices) an SM runs at once, as the planner counts them: CTAs per
+// SM over the slices, at least one where a CTA fits (hd 512 on sm80: one CTA per SM, two per item).
 template <typename T>
 cudaError_t prefill_occupancy(int* ctas_per_sm) {
   const cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, prefill_kernel<T>, T::kThreads,
-                                                       sizeof(typename T::SharedStorage));
+  int ctas = 0;
+  const cudaError_t occ = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, prefill_kernel<T>, T::kThreads,
+                                                                        sizeof(typename T::SharedStorage));
+  *ctas_per_sm = ctas > 0 ? max(ctas / T::kVOSlices, 1) : 0;
+  return occ;
 }
 
 }  // namespace attnforge::fa2

@@ -118,9 +118,9 @@ __device__ __forceinline__ float prepare_q_for_fp8_kv(typename T::Tiles& tiles) 
     }
     // Non-negative floats order as their bits.
     const unsigned warp_max = __reduce_max_sync(0xffffffffu, __float_as_uint(abs_max));
-    if (threadIdx.x % 32 == 0) atomicMax(&tiles.q_abs_max, warp_max);
+    if (threadIdx.x % 32 == 0) atomicMax(&tiles.q_abs_max[0], warp_max);
     __syncthreads();
-    const float cta_max = __uint_as_float(tiles.q_abs_max);
+    const float cta_max = __uint_as_float(tiles.q_abs_max[0]);
     int exponent;
     frexpf(cta_max, &exponent);  // cta_max in [2^(exponent - 1), 2^exponent)
     if (cta_max > 0.f && cta_max <= FLT_MAX) shift = max(-126, min(126, 14 - exponent));
