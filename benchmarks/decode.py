@@ -268,6 +268,7 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
     gbps = problem.bytes_moved / (us * 1e3)
     tc_run, _ = attnforge_decode(problem, args.layout, tensor_cores=True)
     tc_us = time_cuda_us(tc_run, args.iters, args.warmup, flush)
+    tc_gbps = problem.bytes_moved / (tc_us * 1e3)
     peers, errors, notes = {}, {}, []
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         peers[name] = errors[name] = None
@@ -286,7 +287,7 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
     torch.cuda.empty_cache()
     return Row(
         kv_name, batch, kv_len, us, gbps, 100.0 * gbps / copy_gbps, peers["cudnn"], peers["flash"],
-        us / peers["cudnn"] if peers["cudnn"] else None, tc_us, 100.0 * problem.bytes_moved / (tc_us * 1e3) / copy_gbps,
+        us / peers["cudnn"] if peers["cudnn"] else None, tc_us, 100.0 * tc_gbps / copy_gbps,
         notes="; ".join(notes),
         cudnn_max_abs_vs_ours=errors["cudnn"], flash_max_abs_vs_ours=errors["flash"],
     )
