@@ -121,20 +121,20 @@ class Problem:
     last_page_len: torch.Tensor
 
 
-def make_problem(batch: int, length: int, h: Heads = ACCEPTANCE, seed: int = 0) -> Problem:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def make_problem(batch: int, length: int, h: Heads = ACCEPTANCE, seed: int = 0, device: str = "cuda") -> Problem:
+    gen = torch.Generator(device=device).manual_seed(seed)
     total = batch * length
-    q, k, v = (torch.randn(total, heads, h.dim, dtype=DTYPE, device="cuda", generator=gen)
+    q, k, v = (torch.randn(total, heads, h.dim, dtype=DTYPE, device=device, generator=gen)
                for heads in (h.qo, h.kv, h.kv))
     indptr = torch.arange(0, total + 1, length, dtype=torch.int32)
     pages_per = -(-length // PAGE_SIZE)
     pool = batch * pages_per
-    page_ids = torch.randperm(pool, device="cuda", generator=gen).to(torch.int32)
+    page_ids = torch.randperm(pool, device=device, generator=gen).to(torch.int32)
     cache = []
     for dense in (k, v):
-        padded = torch.zeros(batch, pages_per * PAGE_SIZE, h.kv, h.dim, dtype=DTYPE, device="cuda")
+        padded = torch.zeros(batch, pages_per * PAGE_SIZE, h.kv, h.dim, dtype=DTYPE, device=device)
         padded[:, :length] = dense.view(batch, length, h.kv, h.dim)
-        paged = torch.empty(pool, PAGE_SIZE, h.kv, h.dim, dtype=DTYPE, device="cuda")
+        paged = torch.empty(pool, PAGE_SIZE, h.kv, h.dim, dtype=DTYPE, device=device)
         paged.index_copy_(0, page_ids.long(), padded.view(pool, PAGE_SIZE, h.kv, h.dim))
         cache.append(paged)
     last = torch.full((batch,), length - (pages_per - 1) * PAGE_SIZE, dtype=torch.int32)
@@ -242,10 +242,10 @@ def sdpa_peer_us(problem: Problem, batch: int, causal: bool, name: str, backend,
 
 
 def sdpa_refusal(name: str, exc: BaseException, warned: list[str]) -> str:
-    """"NAME n/a: why": the exception's first line, then the reasons torch warned of before raising (its
+    """"NAME n/a: why": the exception's first line, then (after " / ") the reasons torch warned of before raising (its
     "... not used because:" headers left out), each once, at most 300 characters."""
     lines = [line.strip() for text in [str(exc)[:120], *warned] for line in text.strip().splitlines()[:1]]
-    why = "; ".join(dict.fromkeys(line for line in lines if line and not line.endswith("because:")))
+    why = " / ".join(dict.fromkeys(line for line in lines if line and not line.endswith("because:")))
     return f"{name} n/a: {why[:300]}"
 
 
@@ -413,8 +413,9 @@ def sinks_rows(args) -> list[dict]:
     """Each backend's paged prefill at SINKS_BATCH x SINKS_LENGTH, hd HEAD_DIM, causal and not: run() and
     run(sinks=s) (fp32 [num_qo_heads]) on the same planned wrapper, timed alternately."""
     problem = make_problem(SINKS_BATCH, SINKS_LENGTH, ACCEPTANCE)
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    sinks = SINK_LOGIT + torch.randn(ACCEPTANCE.qo, dtype=torch.float32, device="cuda", generator=gen)
+    device = problem.q.device
+    gen = torch.Generator(device=device).manual_seed(2)
+    sinks = SINK_LOGIT + torch.randn(ACCEPTANCE.qo, dtype=torch.float32, device=device, generator=gen)
     rows = []
     for backend in backends_at(HEAD_DIM):
         for causal in (False, True):
