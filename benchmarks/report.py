@@ -274,6 +274,70 @@ def prefill_section(run: Run, backend: str) -> list[str]:
     return lines + table(header, body, left=3) + notes(rows, label)
 
 
+# Issue 38's targets for a head dim: its FLOP rate at least this much of the next larger head dim's (same
+# backend), and at least cuDNN's where cuDNN runs it.
+NEXT_LARGER_TARGET = 0.9
+PAGED_FIELDS = {"fa2": "paged_tflops", "fa3": "fa3_paged_tflops"}
+
+
+def next_larger(rows: list[dict], r: dict, field: str) -> dict | None:
+    """The row of the smallest head dim above r's among rows of r's shape and causal flag that have a value
+    in `field` (a backend refused at a dim is skipped), or None."""
+    larger = [o for o in rows if (o["batch"], o["length"], o["causal"]) == (r["batch"], r["length"], r["causal"])
+              and o["head_dim"] > r["head_dim"] and o.get(field) is not None]
+    return min(larger, key=lambda o: o["head_dim"], default=None)
+
+
+def head_dim_section(run: Run) -> list[str]:
+    """One table per shape the record ran at more than one head dim: our paged prefill per head dim and
+    causal flag, beside SDPA cuDNN and beside the next larger head dim of the same backend."""
+    rows = run.table("prefill")
+    backends = [b for b in PAGED_FIELDS if b in run["config"]["backends"]]
+    lines = []
+    for batch, length in dict.fromkeys((r["batch"], r["length"]) for r in rows):
+        group = sorted((r for r in rows if (r["batch"], r["length"]) == (batch, length)),
+                       key=lambda r: (r["causal"], r["head_dim"]))
+        if len({r["head_dim"] for r in group}) < 2:
+            continue
+        header = ["head dim (q/kv heads)", "causal", "SDPA cuDNN TFLOP/s"] + [
+            h for b in backends for h in (f"{b} paged TFLOP/s", f"{b} / cuDNN", f"{b} vs next larger")]
+        body = []
+        for r in group:
+            cells = shape(r, run)[1:] + [num(r["cudnn_tflops"])]
+            for b in backends:
+                ours, bigger = r.get(PAGED_FIELDS[b]), next_larger(group, r, PAGED_FIELDS[b])
+                cells += [num(ours), faster(ours, r["cudnn_tflops"]),
+                          faster(ours, bigger[PAGED_FIELDS[b]] if bigger else None)]
+            body.append(cells)
+        lines += [*([""] * bool(lines)), run_line(run), "",
+                  f"Prefill at {batch} x {length} by head dim, paged: our TFLOP/s beside SDPA cuDNN's at the same "
+                  "head dim, and over the TFLOP/s of the next larger head dim in this run on the same backend (a "
+                  "FLOP rate: the comparison scaled by FLOPs). Targets (issue 38): vs next larger at least "
+                  f"{NEXT_LARGER_TARGET}, and ours / cuDNN at least 1 where cuDNN runs; n/a: a kernel the rules "
+                  "refuse, or a peer that refused (the reason in the FA2 prefill notes), or no larger head dim.", ""]
+        lines += table(header, body, left=2)
+    return lines
+
+
+def sinks_section(run: Run) -> list[str]:
+    """bench prefill's sinks table: paged prefill without and with attention sinks on one wrapper."""
+    rows = run.table("sinks")
+    if not rows:
+        return []
+    c, r0 = run["config"].get("sinks") or {}, rows[0]
+    lines = [run_line(run), "",
+             f"Attention sinks (gpt-oss): paged prefill at {r0['batch']} x {r0['length']}, hd {r0['head_dim']}, "
+             f"{run['config']['dtype']}, run() against run(sinks=s)" + (f", s = {c['logits']}" if "logits" in c else "")
+             + (f"; {c['method']}" if "method" in c else "") + ". without / with: the time without sinks over the "
+             f"time with them; target at least {c.get('target', 0.97)} (sinks cost at most 3%). max abs: how far "
+             "the sinks moved the output (above 0: they were applied).", ""]
+    body = [[r["backend"], "yes" if r["causal"] else "no", num(r["no_sinks_us"]), num(r["sinks_us"]),
+             num(r["no_sinks_over_sinks"], ".3f"), num(r["max_abs_vs_no_sinks"], ".1e")] for r in rows]
+    header = ["backend", "causal", "without sinks (µs)", "with sinks (µs)", "without / with", "max abs vs no sinks"]
+    return (lines + table(header, body, left=2)
+            + notes(rows, lambda r: r["backend"] + (" causal" if r["causal"] else "")))
+
+
 def fp8_section(run: Run) -> list[str]:
     c = run["config"]
     s = c["scales"]
@@ -380,7 +444,9 @@ def render(runs: dict[str, Run]) -> str:
     sections = [("Decode", decode_section(runs))]
     if "prefill" in runs:
         sections += [("FA2 prefill", prefill_section(runs["prefill"], "fa2")),
-                     ("FA3 prefill", prefill_section(runs["prefill"], "fa3"))]
+                     ("FA3 prefill", prefill_section(runs["prefill"], "fa3")),
+                     ("Prefill by head dim", head_dim_section(runs["prefill"])),
+                     ("Attention sinks", sinks_section(runs["prefill"]))]
     if "fp8" in runs:
         sections.append(("FP8", fp8_section(runs["fp8"])))
     if "build" in runs:
