@@ -162,13 +162,21 @@ def decode_section(runs: dict[str, Run]) -> list[str]:
 def decode_table(run: Run) -> list[str]:
     c, rows = run["config"], run.table("decode")
     fp8_rows = any(r["kv_dtype"] != "bf16" for r in rows)
-    checks = "; ".join(f"{k['kv_dtype']} KV {k['batch']} x {k['kv_len']}: max abs {num(k['max_abs'], '.1e')}, "
+    # records from before --head-dims have no head_dim in their rows: the config's
+    head_dims = sorted({r.get("head_dim", c["head_dim"]) for r in rows}) or [c["head_dim"]]
+    by_hd = len(head_dims) > 1
+
+    def hd(r: dict) -> str:
+        return f" hd {r.get('head_dim', c['head_dim'])}" if by_hd else ""
+
+    checks = "; ".join(f"{k['kv_dtype']} KV {k['batch']} x {k['kv_len']}{hd(k)}: max abs {num(k['max_abs'], '.1e')}, "
                        f"rel L2 {num(k['rel_l2'], '.1e')}" for k in run.table("check"))
     peer_err = worst(r.get(f"{p}_max_abs_vs_ours") for r in rows for p in ("cudnn", "flash"))
+    timing = f"Timing: {c['timer']}. " if "graph_runs" in c else ""  # records from before graph timing: eager
     lines = [run_line(run), "",
              f"Batch decode, {c['dtype']} q, {c['num_qo_heads']} q / {c['num_kv_heads']} kv heads, hd "
-             f"{c['head_dim']}, page {c['page_size']}, {c['layout']}, every request `kv len` tokens on pages "
-             f"scattered at random. GB/s counts {c['bytes']} once; copy bandwidth "
+             f"{'by row' if by_hd else head_dims[0]}, page {c['page_size']}, {c['layout']}, every request `kv len` "
+             f"tokens on pages scattered at random. {timing}GB/s counts {c['bytes']} once; copy bandwidth "
              f"{num(run['copy_bandwidth_gbps'], '.0f')} GB/s ({c['copy']}). SDPA runs on a dense bf16 cache of the "
              "same contents" + (f" (its outputs within {num(peer_err, '.1e')} max abs of ours)" if peer_err else "")
              + (f". Checked against attnforge.reference before timing ({checks})" if checks else "") + "."
@@ -176,20 +184,34 @@ def decode_table(run: Run) -> list[str]:
     peer_header, peer_cells = peer_columns(rows, [("CUDA cores", "us", "flashinfer_us"),
                                                   ("tensor cores", "tc_us", "flashinfer_tc_us")], times=True)
     tc = any(r.get("tc_us") is not None for r in rows)
-    header = ["kv dtype", "batch", "kv len", "ours (µs)", "GB/s", "% copy BW"] + [
+    header = ["kv dtype"] + ["head dim"] * by_hd + ["batch", "kv len", "ours (µs)", "GB/s", "% copy BW"] + [
         "ours tensor cores (µs)", "tensor cores % copy BW"] * tc + ["SDPA cuDNN (µs)", "SDPA FLASH (µs)",
               "speed-up vs cuDNN", "speed-up vs FLASH"] + ["speed-up vs bf16 KV"] * fp8_rows + peer_header
-    body = [[r["kv_dtype"], str(r["batch"]), str(r["kv_len"]), num(r["us"]), num(r["gbps"], ".0f"),
+    body = [[r["kv_dtype"]] + [hd(r)[4:]] * by_hd + [str(r["batch"]), str(r["kv_len"]), num(r["us"]),
+             num(r["gbps"], ".0f"),
              num(r["pct_copy_bw"])] + [num(r.get("tc_us")), num(r.get("tc_pct_copy_bw"))] * tc + [
              num(r["cudnn_us"]), num(r["flash_us"]),
              faster(r["us"], r["cudnn_us"], ".3f", times=True), faster(r["us"], r["flash_us"], ".3f", times=True)]
             + [num(r["speedup_vs_bf16_kv"], ".2f")] * fp8_rows + peer_cells(r) for r in rows]
-    lines += table(header, body) + notes(rows, lambda r: f"{r['kv_dtype']} {r['batch']} x {r['kv_len']}")
+    lines += table(header, body) + notes(rows, lambda r: f"{r['kv_dtype']} {r['batch']} x {r['kv_len']}{hd(r)}")
     plans = run.table("plan")
     if plans:
         lines += ["", f"plan() host time, median of {plans[0]['calls']} calls at kv len {plans[0]['kv_len']}: "
                   + ", ".join(f"batch {p['batch']} {num(p['us'])} µs" for p in plans) + "."]
-    return lines + overhead_lines(run)
+    return lines + sinks_lines(run) + overhead_lines(run)
+
+
+def sinks_lines(run: Run) -> list[str]:
+    """What attention sinks cost ours, when measured: the same wrapper and timer without and with them."""
+    rows, c = run.table("sinks"), run["config"].get("sinks")
+    if not rows or not c:
+        return []
+    lines = ["", f"Attention sinks (gpt-oss; run(..., sinks=s), s {c['sinks']}), batch {c['batch']} x kv "
+             f"{c['kv_len']}, hd {c['head_dim']}, {c['kv_dtype']} KV: ours timed without and with sinks, the same "
+             "wrapper and timer; without / with at least 0.97 is sinks costing at most 3% (issue 38).", ""]
+    body = [[r["path"], num(r["us"]), num(r["sinks_us"]), num(r["ratio"], ".3f")] for r in rows]
+    return (lines + table(["decode path", "without sinks (µs)", "with sinks (µs)", "without / with"], body)
+            + notes(rows, lambda r: f"sinks {r['path']}"))
 
 
 def overhead_lines(run: Run) -> list[str]:
