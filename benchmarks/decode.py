@@ -97,7 +97,8 @@ def parse_args(argv):
     p.add_argument("--kv-dtype", nargs="+", choices=sorted(KV_DTYPES), default=["bf16"],
                    help="KV cache dtypes, each timed on every shape (default: bf16)")
     p.add_argument("--layout", choices=["NHD", "HND"], default="NHD", help="paged cache layout (default NHD)")
-    p.add_argument("--iters", type=int, default=100, help="timed calls (or graph replays) per kernel, the median reported")
+    p.add_argument("--iters", type=int, default=100,
+                   help="timed calls (or graph replays) per kernel, the median reported")
     p.add_argument("--warmup", type=int, default=10, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--flush-l2", action="store_true", help="write 512 MB between timed calls (or graph replays)")
     p.add_argument("--eager", action="store_true",
@@ -162,7 +163,8 @@ def make_problem(batch: int, kv_len: int, layout: str, kv_dtype: torch.dtype = D
     gen = torch.Generator(device="cuda").manual_seed(seed)
     # rounded through the kv dtype, so the bf16 dense copy holds exactly the cache's values
     dense_k, dense_v = (
-        torch.randn(batch, NUM_KV_HEADS, kv_len, head_dim, dtype=DTYPE, device="cuda", generator=gen).to(kv_dtype).to(DTYPE)
+        torch.randn(batch, NUM_KV_HEADS, kv_len, head_dim, dtype=DTYPE, device="cuda", generator=gen)
+        .to(kv_dtype).to(DTYPE)
         for _ in "kv"
     )
     pool = batch * math.ceil(kv_len / PAGE_SIZE) + 64  # spare pages, so the table is a true subset
@@ -500,10 +502,10 @@ def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float
         f"copy bandwidth (D2D, read+write): {copy_gbps:.0f} GB/s; first plan+run (includes the module "
         f"build when not cached): {first_call_s:.1f} s; timing: {timer(args)}",
         "",
-        "| kv dtype | head dim | batch | kv len | time (µs) | GB/s | % of copy BW | tensor cores (µs) | TC % of copy BW "
-        "| SDPA cuDNN (µs) | SDPA FLASH (µs) | ours / cuDNN | speed-up vs bf16 KV | FlashInfer CUDA cores (µs) "
+        "| kv dtype | head dim | batch | kv len | time (µs) | GB/s | % of copy BW | tensor cores (µs) "
+        "| TC % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) | ours / cuDNN | speed-up vs bf16 KV | FlashInfer CUDA cores (µs) "
         "| FlashInfer tensor cores (µs) | notes |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| --- |" + " ---: |" * 14 + " --- |",
     ]
     for r in rows:
         lines.append(
