@@ -21,9 +21,9 @@ the small batches are bound by the host: batch 1 x 1024 takes ~40 µs per call w
 kernel call with no host-side plan and is always timed eager, per call. No L2 flush by default (the
 K/V read per call is 4 MB to 17 GB against a 50-60 MB L2, so only the smallest cases can hit;
 --flush-l2 writes a 512 MB buffer before each timed call or replay, outside the timed region: in a
-graph only its first run starts from a flushed L2, so use it with --eager). GB/s counts the bytes a decode
-must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy bandwidth is a ~4 GB device-to-device tensor copy
-in the same process, counting read + write bytes. The SDPA peers get a dense bf16
+graph only its first run starts from a flushed L2, so use it with --eager). GB/s counts the bytes a
+decode must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy
+bandwidth is a ~4 GB device-to-device tensor copy in the same process, counting read + write bytes. The SDPA peers get a dense bf16
 [B, Hkv, L, D] cache holding the same contents as the paged one; they run on the bf16 rows only.
 Every row times ours on CUDA cores and on tensor cores (use_tensor_cores=True, the prefill kernel:
 issue 40 asks batch 1 x 16384 within 5% of the copy-bandwidth bound there), same problem and timer; a
@@ -38,7 +38,8 @@ FlashInfer call that raises is n/a in its cell and the reason goes to the row's 
 
 Sinks (skipped with --no-sinks): at batch 64 x kv 4096, hd 128, bf16 KV, ours on CUDA cores and on
 tensor cores, each timed with run(..., sinks=s) (fp32 [num_qo_heads], random) and without, the same
-wrapper and timer; the ratio without / with (issue 38: sinks may cost at most 3%).
+wrapper and timer (both eager where either's graph capture raises); the ratio without / with (issue
+38: sinks may cost at most 3%).
 
 PDL (programmatic dependent launch, skipped with --no-pdl): CUDA graphs of --pdl-runs back-to-back
 run() calls with enable_pdl False vs True, µs per run and the speed-up; decode at batch 64 x kv 1024
@@ -426,7 +427,8 @@ class SinksRow:
 
 def sinks_rows(args, flush) -> list[SinksRow]:
     """Ours on CUDA cores and tensor cores at SINKS_BATCH x SINKS_KV_LEN (hd 128, bf16 KV), each wrapper
-    timed without sinks and with random fp32 [NUM_QO_HEADS] sinks; a path that raises is n/a plus a note."""
+    timed without sinks and with random fp32 [NUM_QO_HEADS] sinks, by one timer (both eager when either
+    cannot be captured); a path that raises is n/a plus a note."""
     problem = make_problem(SINKS_BATCH, SINKS_KV_LEN, args.layout)
     device = problem.q.device
     sinks = torch.randn(NUM_QO_HEADS, dtype=torch.float32, device=device,
@@ -436,8 +438,12 @@ def sinks_rows(args, flush) -> list[SinksRow]:
         notes, us, sinks_us = [], None, None
         try:
             run, _ = attnforge_decode(problem, args.layout, tensor_cores)
-            us = timed_us(run, args, flush, notes, "without sinks")
-            sinks_us = timed_us(lambda: run(sinks=sinks), args, flush, notes, "with sinks")
+            pair = (run, lambda run=run: run(sinks=sinks))
+            us, sinks_us = (timed_us(call, args, flush, notes, f"{what} sinks")
+                            for call, what in zip(pair, ("without", "with")))
+            if notes and not args.eager:  # one was timed eager: both are, so that they share a timer
+                eager = argparse.Namespace(**{**vars(args), "eager": True})
+                us, sinks_us = (timed_us(call, eager, flush, notes, "") for call in pair)
         except Exception as exc:  # reported in the table, not fatal: the decode rows are measured already
             notes.append(f"n/a: {_peers.reason(exc)}")
         ratio = us / sinks_us if us and sinks_us else None
@@ -503,8 +509,8 @@ def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float
         f"build when not cached): {first_call_s:.1f} s; timing: {timer(args)}",
         "",
         "| kv dtype | head dim | batch | kv len | time (µs) | GB/s | % of copy BW | tensor cores (µs) "
-        "| TC % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) | ours / cuDNN | speed-up vs bf16 KV | FlashInfer CUDA cores (µs) "
-        "| FlashInfer tensor cores (µs) | notes |",
+        "| TC % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) | ours / cuDNN | speed-up vs bf16 KV "
+        "| FlashInfer CUDA cores (µs) | FlashInfer tensor cores (µs) | notes |",
         "| --- |" + " ---: |" * 14 + " --- |",
     ]
     for r in rows:

@@ -143,6 +143,28 @@ def test_a_sinks_path_that_raises_is_n_a_with_the_reason(monkeypatch):
     assert "| tensor cores | n/a | n/a | n/a | n/a: ValueError: sinks: not supported |" in decode.sinks_markdown(rows)
 
 
+def test_when_one_of_the_sinks_pair_cannot_be_captured_both_are_timed_eager(monkeypatch):
+    timings, extras = [], []
+
+    def timed_us(run, args, flush, notes, what):
+        run()
+        with_sinks = "sinks" in extras[-1]
+        timings.append(("eager" if args.eager else "graph", with_sinks))
+        if with_sinks and not args.eager:
+            notes.append("with sinks timed eager, its CUDA graph capture failed: RuntimeError: x")
+            return 60.0
+        return 50.0 if args.eager else 20.0
+
+    monkeypatch.setattr(decode, "make_problem", lambda *args, **kwargs: cpu_problem())
+    monkeypatch.setattr(decode, "attnforge_decode",
+                        lambda problem, layout, tensor_cores=False: ((lambda **extra: extras.append(extra)), None))
+    monkeypatch.setattr(decode, "timed_us", timed_us)
+    rows = decode.sinks_rows(decode.parse_args([]), None)
+    assert timings == [("graph", False), ("graph", True), ("eager", False), ("eager", True)] * 2
+    assert (rows[0].us, rows[0].sinks_us, rows[0].ratio) == (50.0, 50.0, 1.0)
+    assert rows[0].notes == "with sinks timed eager, its CUDA graph capture failed: RuntimeError: x"
+
+
 def test_the_record_says_how_the_rows_were_timed():
     graph = decode.config(decode.parse_args(["--graph-runs", "8", "--head-dims", "64", "128"]))
     assert graph["graph_runs"] == 8 and graph["head_dims"] == [64, 128] and graph["head_dim"] == 128
