@@ -23,8 +23,9 @@ K/V read per call is 4 MB to 17 GB against a 50-60 MB L2, so only the smallest c
 --flush-l2 writes a 512 MB buffer before each timed call or replay, outside the timed region: in a
 graph only its first run starts from a flushed L2, so use it with --eager). GB/s counts the bytes a
 decode must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy
-bandwidth is a ~4 GB device-to-device tensor copy in the same process, counting read + write bytes. The SDPA peers get a dense bf16
-[B, Hkv, L, D] cache holding the same contents as the paged one; they run on the bf16 rows only.
+bandwidth is a ~4 GB device-to-device tensor copy in the same process, counting read + write bytes.
+The SDPA peers get a dense bf16 [B, Hkv, L, D] cache holding the same contents as the paged one; they
+run on the bf16 rows only.
 Every row times ours on CUDA cores and on tensor cores (use_tensor_cores=True, the prefill kernel:
 issue 40 asks batch 1 x 16384 within 5% of the copy-bandwidth bound there), same problem and timer; a
 tensor-core call that raises (an fp8 KV head dim without its prefill kernel) is n/a, why in the notes.
