@@ -3,6 +3,7 @@ memory skip, the fp8 speed-ups, and the sinks rows, with the timers and the devi
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -92,8 +93,9 @@ def test_skipped_rows_are_n_a_and_fp8_speed_ups_pair_rows_of_one_head_dim():
 def cpu_problem() -> decode.Problem:
     q = torch.zeros(2, decode.NUM_QO_HEADS, 64, dtype=torch.bfloat16)
     cache = tuple(torch.zeros(3, decode.PAGE_SIZE, decode.NUM_KV_HEADS, 64, dtype=torch.bfloat16) for _ in "kv")
+    dense = torch.zeros(2, decode.NUM_KV_HEADS, 16, 64, dtype=torch.bfloat16)
     return decode.Problem(q, cache, torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([2, 0]),
-                          torch.tensor([5, 16], dtype=torch.int32), None, None)
+                          torch.tensor([5, 16], dtype=torch.int32), dense, dense)
 
 
 def test_sinks_rows_time_one_wrapper_without_and_with_sinks(monkeypatch):
@@ -172,3 +174,34 @@ def test_the_record_says_how_the_rows_were_timed():
     assert graph["sinks"]["batch"] == decode.SINKS_BATCH
     eager = decode.config(decode.parse_args(["--eager", "--no-sinks"]))
     assert eager["graph_runs"] is None and "eager" in eager["timer"] and eager["sinks"] is None
+
+
+def test_main_writes_a_record_the_report_renders(monkeypatch, tmp_path, capsys):
+    """main() end to end with the device, the kernels and the timers replaced: rows by head dim, the
+    skipped shape, the sinks table, and the record rendered by bench report."""
+    from attnforge.benchmarks import report
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (100 << 30, 141 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    monkeypatch.setattr(decode, "copy_bandwidth_gbps", lambda: 4000.0)
+    monkeypatch.setattr(decode, "verify", lambda problem, layout: dict(max_abs=1e-3, rel_l2=1e-3))
+    monkeypatch.setattr(decode, "make_problem", lambda *args, **kwargs: cpu_problem())
+    monkeypatch.setattr(decode, "attnforge_decode",
+                        lambda problem, layout, tensor_cores=False: ((lambda **extra: None), None))
+    monkeypatch.setattr(decode, "timed_us", lambda run, args, flush, notes, what: 25.0)
+    out = tmp_path / "bench-decode.json"
+    argv = ["--head-dims", "128", "512", "--batch", "1", "256", "--kv-len", "16384", "--no-peers", "--no-plan",
+            "--no-pdl", "--no-overhead", "--no-flashinfer", "--out", str(out)]
+    assert decode.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| bf16 | 512 | 256 | 16384 | n/a |" in printed and "| tensor cores | 25.0 | 25.0 | 1.000 |" in printed
+    record = json.loads(out.read_text())
+    rows = record["tables"]["decode"]
+    assert [(r["head_dim"], r["batch"], r["us"] is None) for r in rows] == [
+        (128, 1, False), (128, 256, False), (512, 1, False), (512, 256, True)]
+    assert [c["head_dim"] for c in record["tables"]["check"]] == [128, 512]
+    assert len(record["tables"]["sinks"]) == 2
+    assert report.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| bf16 | 512 | 256 | 16384 | n/a |" in text and "| CUDA cores | 25.0 | 25.0 | 1.000 |" in text
