@@ -1,4 +1,5 @@
-"""Timing shared by the benchmarks: CUDA events per call, and the copy bandwidth ceiling."""
+"""Timing shared by the benchmarks: CUDA events per eager call or per replay of a CUDA graph of calls, and
+the copy bandwidth ceiling."""
 
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ def graph_of(run, runs: int = 1) -> torch.cuda.CUDAGraph:
         for _ in range(runs):
             run()
     return graph
+
+
+def time_graph_us(run, runs: int, iters: int, warmup: int, flush=None) -> float:
+    """Median microseconds per run() inside a CUDA graph of `runs` back-to-back run() calls (graph_of):
+    the replays settle first, then CUDA events around each of `iters` replays (flush, when given, runs
+    before each replay, outside the events: only the first run of a replay starts from a flushed L2);
+    the median replay divided by `runs`. What the capture raises propagates; the graph is freed on return."""
+    graph = graph_of(run, runs)
+    return time_cuda_us(graph.replay, iters, warmup, flush) / runs
 
 
 def copy_bandwidth_gbps(total_bytes: int = 4 << 30) -> float:

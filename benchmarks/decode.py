@@ -1,22 +1,34 @@
 """Batch decode benchmark: attnforge vs the copy bandwidth, FlashInfer and torch SDPA, same run.
 
     python -m attnforge.benchmarks.decode [--batch 1 16 64 256] [--kv-len 1024 4096 16384]
-        [--kv-dtype bf16 e4m3 e5m2] [--no-pdl] [--pdl-runs 32] [--no-flashinfer] [--out F.json]
+        [--head-dims 64 128 256] [--kv-dtype bf16 e4m3 e5m2] [--eager] [--graph-runs 10] [--no-sinks]
+        [--no-pdl] [--pdl-runs 32] [--no-flashinfer] [--out F.json]
 
 Shape (the acceptance config): bf16 q, 32 query / 8 kv heads, head_dim 128, page size 16,
 every request of the batch kv_len tokens long, pages scattered over the pool at random. The KV
 cache is bf16 or, with --kv-dtype, fp8 (e4m3 / e5m2, dequantized in the kernel); several kv dtypes
 run in one process and fp8 rows report their speed-up over the bf16 row of the same shape.
+--head-dims gives rows for other head dims (any the decode rules accept, 64 to 256 and 512), the
+heads fixed (issue 38 asks at least 95% of the copy bandwidth at batch 64 x 4096 for each); a shape
+whose problem would not fit the free device memory is a row of n/a with a note.
 
-Method: each kernel is timed with CUDA events around every call, after warm-up; the
-median over the iterations is reported. No L2 flush by default (the K/V read per call is
-4 MB to 17 GB against a 50-60 MB L2, so only the smallest cases can hit; --flush-l2 writes
-a 512 MB buffer between calls, outside the timed region). GB/s counts the bytes a decode
-must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy bandwidth is a ~4 GB device-to-device tensor copy
-in the same process, counting read + write bytes. The SDPA peers get a dense bf16
-[B, Hkv, L, D] cache holding the same contents as the paged one; they run on the bf16 rows only.
+Method: every contender that is a wrapper run() (ours and FlashInfer's, CUDA cores and tensor cores)
+is timed as a serving engine runs decode: one CUDA graph of --graph-runs back-to-back run() calls,
+replayed; CUDA events around each replay after warm-up, the median replay / --graph-runs. (Eager,
+the small batches are bound by the host: batch 1 x 1024 takes ~40 µs per call where the kernel takes
+~10.) A contender whose graph capture raises is timed eager instead, the reason in the row's notes.
+--eager times every run() with CUDA events around each eager call, the median. torch SDPA is one
+kernel call with no host-side plan and is always timed eager, per call. No L2 flush by default (the
+K/V read per call is 4 MB to 17 GB against a 50-60 MB L2, so only the smallest cases can hit;
+--flush-l2 writes a 512 MB buffer before each timed call or replay, outside the timed region: in a
+graph only its first run starts from a flushed L2, so use it with --eager). GB/s counts the bytes a
+decode must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy
+bandwidth is a ~4 GB device-to-device tensor copy in the same process, counting read + write bytes.
+The SDPA peers get a dense bf16 [B, Hkv, L, D] cache holding the same contents as the paged one; they
+run on the bf16 rows only.
 Every row times ours on CUDA cores and on tensor cores (use_tensor_cores=True, the prefill kernel:
-issue 40 asks batch 1 x 16384 within 5% of the copy-bandwidth bound there), same problem and timer.
+issue 40 asks batch 1 x 16384 within 5% of the copy-bandwidth bound there), same problem and timer; a
+tensor-core call that raises (an fp8 KV head dim without its prefill kernel) is n/a, why in the notes.
 FlashInfer (when importable; --no-flashinfer skips it) runs every row on its CUDA cores and its tensor
 cores, through the same decode_call() as ours: the same paged cache, plan() and run() arguments and
 timer, its output checked against ours. It is imported and timed after all of ours (importing it slows
@@ -24,6 +36,11 @@ attnforge's host path in the process, see _overhead, which the small batches wou
 problem is made again from the same seed, and every FlashInfer module the rows need gets its first
 call (it JIT-compiles on first use; printed, with the time) before the first FlashInfer timing. A
 FlashInfer call that raises is n/a in its cell and the reason goes to the row's notes.
+
+Sinks (skipped with --no-sinks): at batch 64 x kv 4096, hd 128, bf16 KV, ours on CUDA cores and on
+tensor cores, each timed with run(..., sinks=s) (fp32 [num_qo_heads], random) and without, the same
+wrapper and timer (both eager where either's graph capture raises); the ratio without / with (issue
+38: sinks may cost at most 3%).
 
 PDL (programmatic dependent launch, skipped with --no-pdl): CUDA graphs of --pdl-runs back-to-back
 run() calls with enable_pdl False vs True, µs per run and the speed-up; decode at batch 64 x kv 1024
@@ -42,8 +59,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from attnforge.codegen.rules import DECODE_HEAD_DIMS
+
 from . import _overhead, _pdl, _peers, _record
-from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
+from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us, time_graph_us
 
 NUM_QO_HEADS = 32
 NUM_KV_HEADS = 8
@@ -60,18 +79,35 @@ OVERHEAD_WORKSPACE = 128 << 20
 PEER_WORKSPACE = 512 << 20
 # FlashInfer's decode paths beside ours: (column suffix, use_tensor_cores)
 PEER_PATHS = (("", False), ("_tc", True))
+GRAPH_RUNS = 10  # run() calls per CUDA graph in the graph timing
+# Every head dim the CUDA-core decode kernel is instantiated for (qk = vo)
+HEAD_DIM_CHOICES = sorted(qk for qk, _ in DECODE_HEAD_DIMS)
+# make_problem's peak: the dense K and V, the cache of one while the other is paged (its padded copy, its
+# pages, the random pool); plus PEER_WORKSPACE and 1 GiB for the kernels' and peers' own buffers
+PEAK_KV_COPIES = 5
+SPARE_BYTES = PEER_WORKSPACE + (1 << 30)
+SINKS_BATCH, SINKS_KV_LEN = 64, 4096
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="attnforge bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes (default: 1 16 64 256)")
     p.add_argument("--kv-len", type=int, nargs="+", default=[1024, 4096, 16384], help="kv length of every request")
+    p.add_argument("--head-dims", type=int, nargs="+", choices=HEAD_DIM_CHOICES, default=[HEAD_DIM], metavar="D",
+                   help=f"head dims, each timed on every shape, 32 q / 8 kv heads (default {HEAD_DIM}; any of "
+                        f"{' '.join(map(str, HEAD_DIM_CHOICES))})")
     p.add_argument("--kv-dtype", nargs="+", choices=sorted(KV_DTYPES), default=["bf16"],
                    help="KV cache dtypes, each timed on every shape (default: bf16)")
     p.add_argument("--layout", choices=["NHD", "HND"], default="NHD", help="paged cache layout (default NHD)")
-    p.add_argument("--iters", type=int, default=100, help="timed calls per kernel (median reported)")
+    p.add_argument("--iters", type=int, default=100,
+                   help="timed calls (or graph replays) per kernel, the median reported")
     p.add_argument("--warmup", type=int, default=10, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
-    p.add_argument("--flush-l2", action="store_true", help="write 512 MB between timed calls")
+    p.add_argument("--flush-l2", action="store_true", help="write 512 MB between timed calls (or graph replays)")
+    p.add_argument("--eager", action="store_true",
+                   help="time every run() eager, CUDA events around each call (default: replays of a CUDA graph)")
+    p.add_argument("--graph-runs", type=int, default=GRAPH_RUNS,
+                   help=f"back-to-back run() calls per CUDA graph in the graph timing (default {GRAPH_RUNS})")
+    p.add_argument("--no-sinks", action="store_true", help="skip the attention-sinks cost case")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
     p.add_argument("--no-plan", action="store_true", help="skip the plan() host-time measurement")
     p.add_argument("--no-overhead", action="store_true", help="skip the run() host-overhead measurement")
@@ -124,11 +160,13 @@ def to_pages(dense: torch.Tensor, layout: str) -> torch.Tensor:
     return by_page.reshape(b * pages, *by_page.shape[2:])  # copies: the pages become contiguous
 
 
-def make_problem(batch: int, kv_len: int, layout: str, kv_dtype: torch.dtype = DTYPE, seed: int = 0) -> Problem:
+def make_problem(batch: int, kv_len: int, layout: str, kv_dtype: torch.dtype = DTYPE, seed: int = 0,
+                 head_dim: int = HEAD_DIM) -> Problem:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     # rounded through the kv dtype, so the bf16 dense copy holds exactly the cache's values
     dense_k, dense_v = (
-        torch.randn(batch, NUM_KV_HEADS, kv_len, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen).to(kv_dtype).to(DTYPE)
+        torch.randn(batch, NUM_KV_HEADS, kv_len, head_dim, dtype=DTYPE, device="cuda", generator=gen)
+        .to(kv_dtype).to(DTYPE)
         for _ in "kv"
     )
     pool = batch * math.ceil(kv_len / PAGE_SIZE) + 64  # spare pages, so the table is a true subset
@@ -140,8 +178,23 @@ def make_problem(batch: int, kv_len: int, layout: str, kv_dtype: torch.dtype = D
         paged.index_copy_(0, indices.long(), pages)
         del pages
         cache.append(paged.to(kv_dtype))  # exact: the pages hold kv_dtype values already
-    q = torch.randn(batch, NUM_QO_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda", generator=gen)
+    q = torch.randn(batch, NUM_QO_HEADS, head_dim, dtype=DTYPE, device="cuda", generator=gen)
     return Problem(q, tuple(cache), indptr, indices, last, dense_k, dense_v)
+
+
+def problem_bytes(batch: int, kv_len: int, head_dim: int) -> int:
+    """Device memory a row needs at its peak (make_problem's), with room for the workspaces."""
+    one_kv = batch * NUM_KV_HEADS * math.ceil(kv_len / PAGE_SIZE) * PAGE_SIZE * head_dim * DTYPE.itemsize
+    return PEAK_KV_COPIES * one_kv + SPARE_BYTES
+
+
+def shapes(args, free_bytes: int) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int, int], str]]:
+    """The (head dim, batch, kv len) rows in table order, and why each shape that would not fit
+    free_bytes of device memory is skipped."""
+    rows = [(d, b, n) for d in args.head_dims for b in args.batch for n in args.kv_len]
+    skipped = {s: f"skipped: needs ~{problem_bytes(*s[1:], s[0]) / 2**30:.0f} GiB of device memory, "
+                  f"{free_bytes / 2**30:.0f} GiB free" for s in rows if problem_bytes(*s[1:], s[0]) > free_bytes}
+    return rows, skipped
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,7 +207,8 @@ def attnforge_decode(problem: Problem, layout: str, tensor_cores: bool = False):
 
     batch = problem.q.shape[0]
     ws_bytes = (PEER_WORKSPACE if tensor_cores else
-                attnforge.decode_workspace_size(batch, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, device=problem.q.device))
+                attnforge.decode_workspace_size(batch, NUM_QO_HEADS, NUM_KV_HEADS, problem.q.shape[-1],
+                                                device=problem.q.device))
     return decode_call(attnforge, problem, layout, torch.empty(ws_bytes, dtype=torch.uint8, device="cuda"),
                        tensor_cores)
 
@@ -163,7 +217,8 @@ def decode_call(library, problem: Problem, layout: str, workspace: torch.Tensor,
                 backend: str = "auto", q: torch.Tensor | None = None, cache: tuple | None = None):
     """(run, out) through `library`'s BatchDecodeWithPagedKVCacheWrapper (attnforge or FlashInfer:
     the same calls), planned once on the problem's page table; q and cache default to the problem's
-    (another q gives another GQA group, another cache another kv dtype). The output is bf16."""
+    (another q gives another GQA group, another cache another kv dtype). The output is bf16. run(**extra)
+    passes extra arguments to the same wrapper's run() (sinks=)."""
     q = problem.q if q is None else q
     cache = problem.cache if cache is None else cache
     kv_heads = cache[0].shape[2 if layout == "NHD" else 1]
@@ -174,7 +229,7 @@ def decode_call(library, problem: Problem, layout: str, workspace: torch.Tensor,
         PAGE_SIZE, q_data_type=q.dtype, kv_data_type=cache[0].dtype, o_data_type=DTYPE,
     )
     out = torch.empty(q.shape, dtype=DTYPE, device=q.device)
-    return (lambda: wrapper.run(q, cache, out=out)), out
+    return (lambda **extra: wrapper.run(q, cache, out=out, **extra)), out
 
 
 def overhead_rows(layout: str, peer: _peers.Peer) -> tuple[list[dict], str]:
@@ -223,9 +278,9 @@ class Row:
     kv_dtype: str
     batch: int
     kv_len: int
-    us: float
-    gbps: float
-    pct_copy_bw: float
+    us: float | None  # None: the shape was skipped (see notes)
+    gbps: float | None
+    pct_copy_bw: float | None
     cudnn_us: float | None
     flash_us: float | None
     ratio_vs_cudnn: float | None  # time, ours / cuDNN's
@@ -239,6 +294,7 @@ class Row:
     flashinfer_us: float | None = None
     flashinfer_tc_us: float | None = None
     flashinfer_max_abs_vs_ours: float | None = None  # the worse of its two paths' outputs against ours
+    head_dim: int = HEAD_DIM
 
 
 def verify(problem: Problem, layout: str) -> dict:
@@ -259,17 +315,40 @@ def verify(problem: Problem, layout: str) -> dict:
     return dict(max_abs=err, rel_l2=(diff.norm() / o_ref.float().norm().clamp_min(1e-30)).item())
 
 
-def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush) -> Row:
+def timed_us(run, args, flush, notes: list, what: str) -> float:
+    """µs per run() call: time_graph_us over a CUDA graph of args.graph_runs calls, or time_cuda_us per
+    eager call with --eager or where the graph's capture raises ("WHAT timed eager: why" into notes)."""
+    if not args.eager:
+        stream = torch.cuda.current_stream()
+        try:
+            return time_graph_us(run, args.graph_runs, args.iters, args.warmup, flush)
+        except Exception as exc:  # a run() that cannot be captured is timed as it can be, and said so
+            torch.cuda.set_stream(stream)  # a failed capture_end leaves torch.cuda.graph's side stream current
+            notes.append(f"{what} timed eager, its CUDA graph capture failed: {_peers.reason(exc)}")
+    return time_cuda_us(run, args.iters, args.warmup, flush)
+
+
+def skipped_row(kv_name: str, head_dim: int, batch: int, kv_len: int, why: str) -> Row:
+    """A shape that was not run: n/a in every cell, why in the notes."""
+    return Row(kv_name, batch, kv_len, None, None, None, None, None, None, notes=why, head_dim=head_dim)
+
+
+def measure(kv_name: str, head_dim: int, batch: int, kv_len: int, args, copy_gbps: float, flush) -> Row:
     from torch.nn.attention import SDPBackend
 
-    problem = make_problem(batch, kv_len, args.layout, KV_DTYPES[kv_name])
+    problem = make_problem(batch, kv_len, args.layout, KV_DTYPES[kv_name], head_dim=head_dim)
+    notes = []
     run, out = attnforge_decode(problem, args.layout)
-    us = time_cuda_us(run, args.iters, args.warmup, flush)
+    us = timed_us(run, args, flush, notes, "ours")
     gbps = problem.bytes_moved / (us * 1e3)
-    tc_run, _ = attnforge_decode(problem, args.layout, tensor_cores=True)
-    tc_us = time_cuda_us(tc_run, args.iters, args.warmup, flush)
-    tc_gbps = problem.bytes_moved / (tc_us * 1e3)
-    peers, errors, notes = {}, {}, []
+    try:
+        tc_run, _ = attnforge_decode(problem, args.layout, tensor_cores=True)
+        tc_us = timed_us(tc_run, args, flush, notes, "ours tensor cores")
+    except Exception as exc:  # the CUDA-core path is the one checked and required; this one is reported
+        tc_us = None
+        notes.append(f"ours tensor cores n/a: {_peers.reason(exc)}")
+    tc_pct = 100.0 * problem.bytes_moved / (tc_us * 1e3) / copy_gbps if tc_us else None
+    peers, errors = {}, {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         peers[name] = errors[name] = None
         if args.no_peers or kv_name != "bf16":
@@ -280,38 +359,39 @@ def measure(kv_name: str, batch: int, kv_len: int, args, copy_gbps: float, flush
             err = errors[name] = (peer_out.float() - out.float()).abs().max().item()
             if err > 5e-2:
                 notes.append(f"{name} output differs from ours by {err:.3g}")
-            peers[name] = time_cuda_us(peer_run, args.iters, args.warmup, flush)
+            peers[name] = time_cuda_us(peer_run, args.iters, args.warmup, flush)  # one kernel call: eager
         except Exception as exc:  # a refusing backend is reported, not fatal
             notes.append(f"{name} n/a: {str(exc).splitlines()[0][:120]}")
     del problem
     torch.cuda.empty_cache()
     return Row(
         kv_name, batch, kv_len, us, gbps, 100.0 * gbps / copy_gbps, peers["cudnn"], peers["flash"],
-        us / peers["cudnn"] if peers["cudnn"] else None, tc_us, 100.0 * tc_gbps / copy_gbps,
+        us / peers["cudnn"] if peers["cudnn"] else None, tc_us, tc_pct,
         notes="; ".join(notes),
-        cudnn_max_abs_vs_ours=errors["cudnn"], flash_max_abs_vs_ours=errors["flash"],
+        cudnn_max_abs_vs_ours=errors["cudnn"], flash_max_abs_vs_ours=errors["flash"], head_dim=head_dim,
     )
 
 
-def peer_key(tensor_cores: bool, kv_name: str) -> str:
-    return f"{'tensor' if tensor_cores else 'CUDA'}-core decode, {kv_name} KV"
+def peer_key(tensor_cores: bool, kv_name: str, head_dim: int = HEAD_DIM) -> str:
+    return f"{'tensor' if tensor_cores else 'CUDA'}-core decode, {kv_name} KV, hd {head_dim}"
 
 
 def warm_peer(peer: _peers.Peer, args) -> None:
-    """The first call of each FlashInfer decode module the rows need (path x kv dtype), before timing."""
+    """The first call of each FlashInfer decode module the rows need (path x kv dtype x head dim), before timing."""
     calls = {}
     for kv_name in args.kv_dtype:
-        small = make_problem(1, PAGE_SIZE, args.layout, KV_DTYPES[kv_name])
-        for _, tensor_cores in PEER_PATHS:
-            calls[peer_key(tensor_cores, kv_name)] = lambda lib, s=small, t=tensor_cores: decode_call(
-                lib, s, args.layout, torch.empty(PEER_WORKSPACE, dtype=torch.uint8, device="cuda"), t)
+        for head_dim in args.head_dims:
+            small = make_problem(1, PAGE_SIZE, args.layout, KV_DTYPES[kv_name], head_dim=head_dim)
+            for _, tensor_cores in PEER_PATHS:
+                calls[peer_key(tensor_cores, kv_name, head_dim)] = lambda lib, s=small, t=tensor_cores: decode_call(
+                    lib, s, args.layout, torch.empty(PEER_WORKSPACE, dtype=torch.uint8, device="cuda"), t)
     peer.warm(calls)
 
 
 def add_peer(row: Row, args, flush, peer: _peers.Peer) -> None:
     """FlashInfer's CUDA-core and tensor-core decode into the row: the row's problem made again (the same
     seed, so the same contents), the same decode_call and timer; a refusal is n/a plus a note."""
-    problem = make_problem(row.batch, row.kv_len, args.layout, KV_DTYPES[row.kv_dtype])
+    problem = make_problem(row.batch, row.kv_len, args.layout, KV_DTYPES[row.kv_dtype], head_dim=row.head_dim)
     run, ours_out = attnforge_decode(problem, args.layout)
     run()
     notes, errors = [row.notes] if row.notes else [], []
@@ -322,12 +402,65 @@ def add_peer(row: Row, args, flush, peer: _peers.Peer) -> None:
             notes.append(f"FlashInfer output differs from ours by {errors[-1]:.3g}")
 
     for suffix, tensor_cores in PEER_PATHS:
-        us = peer.timed(peer_key(tensor_cores, row.kv_dtype), lambda lib: decode_call(
+        key = peer_key(tensor_cores, row.kv_dtype, row.head_dim)
+        us = peer.timed(key, lambda lib: decode_call(
             lib, problem, args.layout, torch.empty(PEER_WORKSPACE, dtype=torch.uint8, device="cuda"), tensor_cores),
-            lambda call: time_cuda_us(call, args.iters, args.warmup, flush), notes, check)
+            lambda call: timed_us(call, args, flush, notes, f"FlashInfer {key}"), notes, check)
         setattr(row, f"flashinfer{suffix}_us", us)
     row.flashinfer_max_abs_vs_ours = max(errors, default=None)
     row.notes = "; ".join(notes)
+
+
+# ---------------------------------------------------------------------------------------
+# sinks: what gpt-oss attention sinks cost the decode kernels
+
+
+@dataclass
+class SinksRow:
+    path: str  # CUDA cores or tensor cores
+    batch: int
+    kv_len: int
+    us: float | None  # run() without sinks
+    sinks_us: float | None  # run(..., sinks=s), the same wrapper and timer
+    ratio: float | None  # us / sinks_us: issue 38 wants at least 0.97 (sinks cost at most 3%)
+    notes: str = ""
+
+
+def sinks_rows(args, flush) -> list[SinksRow]:
+    """Ours on CUDA cores and tensor cores at SINKS_BATCH x SINKS_KV_LEN (hd 128, bf16 KV), each wrapper
+    timed without sinks and with random fp32 [NUM_QO_HEADS] sinks, by one timer (both eager when either
+    cannot be captured); a path that raises is n/a plus a note."""
+    problem = make_problem(SINKS_BATCH, SINKS_KV_LEN, args.layout)
+    device = problem.q.device
+    sinks = torch.randn(NUM_QO_HEADS, dtype=torch.float32, device=device,
+                        generator=torch.Generator(device=device).manual_seed(1))
+    rows = []
+    for path, tensor_cores in (("CUDA cores", False), ("tensor cores", True)):
+        notes, us, sinks_us = [], None, None
+        try:
+            run, _ = attnforge_decode(problem, args.layout, tensor_cores)
+            pair = (run, lambda run=run: run(sinks=sinks))
+            us, sinks_us = (timed_us(call, args, flush, notes, f"{what} sinks")
+                            for call, what in zip(pair, ("without", "with")))
+            if notes and not args.eager:  # one was timed eager: both are, so that they share a timer
+                eager = argparse.Namespace(**{**vars(args), "eager": True})
+                us, sinks_us = (timed_us(call, eager, flush, notes, "") for call in pair)
+        except Exception as exc:  # reported in the table, not fatal: the decode rows are measured already
+            notes.append(f"n/a: {_peers.reason(exc)}")
+        ratio = us / sinks_us if us and sinks_us else None
+        rows.append(SinksRow(path, SINKS_BATCH, SINKS_KV_LEN, us, sinks_us, ratio, "; ".join(notes)))
+    del problem
+    torch.cuda.empty_cache()
+    return rows
+
+
+def add_speedups(rows: list[Row]) -> None:
+    """Each fp8 row's speed-up over the bf16 row of its head dim and shape (when both were run)."""
+    bf16_us = {(r.head_dim, r.batch, r.kv_len): r.us for r in rows if r.kv_dtype == "bf16" and r.us}
+    for r in rows:
+        key = (r.head_dim, r.batch, r.kv_len)
+        if r.kv_dtype != "bf16" and r.us and key in bf16_us:
+            r.speedup_vs_bf16_kv = bf16_us[key] / r.us
 
 
 def plan_host_us(batch: int, layout: str, calls: int = PLAN_CALLS) -> float:
@@ -371,18 +504,20 @@ def overhead_markdown(rows: list[dict], note: str) -> list[str]:
     return lines
 
 
-def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float) -> str:
+def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float, args) -> str:
     lines = [
         f"copy bandwidth (D2D, read+write): {copy_gbps:.0f} GB/s; first plan+run (includes the module "
-        f"build when not cached): {first_call_s:.1f} s",
+        f"build when not cached): {first_call_s:.1f} s; timing: {timer(args)}",
         "",
-        "| kv dtype | batch | kv len | time (µs) | GB/s | % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) "
-        "| ours / cuDNN | speed-up vs bf16 KV | FlashInfer CUDA cores (µs) | FlashInfer tensor cores (µs) | notes |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| kv dtype | head dim | batch | kv len | time (µs) | GB/s | % of copy BW | tensor cores (µs) "
+        "| TC % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) | ours / cuDNN | speed-up vs bf16 KV "
+        "| FlashInfer CUDA cores (µs) | FlashInfer tensor cores (µs) | notes |",
+        "| --- |" + " ---: |" * 14 + " --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r.kv_dtype} | {r.batch} | {r.kv_len} | {r.us:.1f} | {r.gbps:.0f} | {r.pct_copy_bw:.1f} | "
+            f"| {r.kv_dtype} | {r.head_dim} | {r.batch} | {r.kv_len} | {_fmt(r.us)} | {_fmt(r.gbps, '.0f')} | "
+            f"{_fmt(r.pct_copy_bw)} | {_fmt(r.tc_us)} | {_fmt(r.tc_pct_copy_bw)} | "
             f"{_fmt(r.cudnn_us)} | {_fmt(r.flash_us)} | {_fmt(r.ratio_vs_cudnn, '.3f')} | "
             f"{_fmt(r.speedup_vs_bf16_kv, '.2f')} | {_fmt(r.flashinfer_us)} | {_fmt(r.flashinfer_tc_us)} | {r.notes} |"
         )
@@ -392,37 +527,62 @@ def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float
     return "\n".join(lines)
 
 
+def sinks_markdown(rows: list[SinksRow]) -> list[str]:
+    lines = ["", f"Attention sinks, batch {SINKS_BATCH} x kv {SINKS_KV_LEN}, hd {HEAD_DIM}, bf16 KV "
+             "(µs per call; ratio = without / with)", "",
+             "| path | without sinks | with sinks | ratio | notes |", "| --- | ---: | ---: | ---: | --- |"]
+    lines += [f"| {r.path} | {_fmt(r.us)} | {_fmt(r.sinks_us)} | {_fmt(r.ratio, '.3f')} | {r.notes} |" for r in rows]
+    return lines
+
+
+def timer(args) -> str:
+    """How the run() contenders (and SDPA) are timed, in one clause for the record and the report."""
+    if args.eager:
+        return "CUDA events around each eager call, the median (--eager), ours, FlashInfer and SDPA alike"
+    return (f"ours and FlashInfer (CUDA and tensor cores): one CUDA graph of {args.graph_runs} back-to-back run() "
+            f"calls, CUDA events around each replay, the median replay / {args.graph_runs} (as a serving engine runs "
+            "decode); a capture that raised is timed eager per call (said in the row's notes); SDPA (one kernel "
+            "call): CUDA events around each eager call, the median")
+
+
 def config(args, peer: _peers.Peer | None = None) -> dict:
-    """What the JSON record says about the problem and the method."""
+    """What the JSON record says about the problem and the method. head_dim is that of the plan, PDL,
+    overhead and sinks cases; head_dims those of the decode table."""
     return dict(dtype="bf16", kv_dtypes=args.kv_dtype, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
-                head_dim=HEAD_DIM, page_size=PAGE_SIZE, layout=args.layout, iters=args.iters, warmup=args.warmup,
-                settle_s=SETTLE_SECONDS, l2_flush=args.flush_l2, timer="CUDA events per call, median",
+                head_dim=HEAD_DIM, head_dims=args.head_dims, page_size=PAGE_SIZE, layout=args.layout,
+                iters=args.iters, warmup=args.warmup, settle_s=SETTLE_SECONDS, l2_flush=args.flush_l2,
+                graph_runs=None if args.eager else args.graph_runs, timer=timer(args),
                 bytes="q + K + V + o", copy="4 GiB D2D copy, read + write",
                 peers="torch SDPA cuDNN and FLASH on a dense bf16 cache", plan_kv_len=PLAN_KV_LEN,
+                sinks=None if args.no_sinks else dict(batch=SINKS_BATCH, kv_len=SINKS_KV_LEN, head_dim=HEAD_DIM,
+                                                      kv_dtype="bf16", sinks="fp32 [num_qo_heads], random"),
                 pdl=None if args.no_pdl else _pdl.config(args), flashinfer=peer.config() if peer else None)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.pdl_runs < 1:
-        print("attnforge bench decode: --pdl-runs must be at least 1", file=sys.stderr)
+    if args.pdl_runs < 1 or args.graph_runs < 1:
+        print("attnforge bench decode: --pdl-runs and --graph-runs must be at least 1", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("attnforge bench decode: needs a CUDA device", file=sys.stderr)
         return 2
     configs = [(b, n) for b in args.batch for n in args.kv_len]
 
-    # correctness first, on the smallest config of each kv dtype; the wall time also shows the cold builds
+    # correctness first, on the smallest config of each kv dtype and head dim; the wall time also shows the cold builds
     t0 = time.perf_counter()
     smallest = min(configs, key=lambda c: c[0] * c[1])
     checks = []
     try:
         for kv_name in args.kv_dtype:
-            errors = verify(make_problem(*smallest, args.layout, KV_DTYPES[kv_name]), args.layout)
-            checks.append(dict(kv_dtype=kv_name, batch=smallest[0], kv_len=smallest[1], **errors))
+            for head_dim in args.head_dims:
+                problem = make_problem(*smallest, args.layout, KV_DTYPES[kv_name], head_dim=head_dim)
+                errors = verify(problem, args.layout)
+                checks.append(dict(kv_dtype=kv_name, batch=smallest[0], kv_len=smallest[1], head_dim=head_dim,
+                                   **errors))
     except AssertionError as exc:
-        print(f"CORRECTNESS CHECK FAILED ({kv_name} KV), not timing: {exc}", file=sys.stderr)
+        print(f"CORRECTNESS CHECK FAILED ({kv_name} KV, hd {head_dim}), not timing: {exc}", file=sys.stderr)
         return 1
     first_call_s = time.perf_counter() - t0
     torch.cuda.empty_cache()
@@ -430,11 +590,12 @@ def main(argv=None) -> int:
     copy_gbps = copy_bandwidth_gbps()
     flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device="cuda") if args.flush_l2 else None
     flush = flush_buf.zero_ if flush_buf is not None else None
-    rows = [measure(kv, b, n, args, copy_gbps, flush) for kv in args.kv_dtype for b, n in configs]
-    bf16_us = {(r.batch, r.kv_len): r.us for r in rows if r.kv_dtype == "bf16"}
-    for r in rows:
-        if r.kv_dtype != "bf16" and (r.batch, r.kv_len) in bf16_us:
-            r.speedup_vs_bf16_kv = bf16_us[(r.batch, r.kv_len)] / r.us
+    torch.cuda.empty_cache()
+    ordered, skipped = shapes(args, torch.cuda.mem_get_info()[0])
+    rows = [skipped_row(kv, *s, skipped[s]) if s in skipped else measure(kv, *s, args, copy_gbps, flush)
+            for kv in args.kv_dtype for s in ordered]
+    add_speedups(rows)
+    sinks = [] if args.no_sinks else sinks_rows(args, flush)
     plans = {} if args.no_plan else {b: plan_host_us(b, args.layout) for b in PLAN_BATCHES}
     pdl = [] if args.no_pdl else _pdl.decode_rows(args) + _pdl.prefill_rows(args)
 
@@ -443,12 +604,16 @@ def main(argv=None) -> int:
     peer = _peers.Peer.from_args(args)
     warm_peer(peer, args)
     for r in rows if peer.present else ():
+        if r.us is None:  # skipped: it would not fit
+            continue
         add_peer(r, args, flush, peer)
         torch.cuda.empty_cache()
 
     overhead, overhead_note = ([], "") if args.no_overhead else overhead_rows(args.layout, peer)
 
-    print(markdown(rows, copy_gbps, plans, first_call_s))
+    print(markdown(rows, copy_gbps, plans, first_call_s, args))
+    if sinks:
+        print("\n".join(sinks_markdown(sinks)))
     if overhead:
         print("\n".join(overhead_markdown(overhead, overhead_note)))
     if pdl:
@@ -457,7 +622,7 @@ def main(argv=None) -> int:
         _record.write(args.out, "decode", argv, config(args, peer), tables=dict(
             decode=[asdict(r) for r in rows],
             plan=[dict(batch=b, kv_len=PLAN_KV_LEN, calls=PLAN_CALLS, us=us) for b, us in plans.items()],
-            check=checks, overhead=overhead,
+            check=checks, overhead=overhead, sinks=[asdict(r) for r in sinks],
             pdl=[asdict(r) for r in pdl],
         ), copy_bandwidth_gbps=copy_gbps, first_plan_run_s=first_call_s, overhead_note=overhead_note)
     return 0

@@ -325,6 +325,62 @@ def test_a_record_missing_a_field_is_refused_in_one_line(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------
+# decode by head dim, graph timing and sinks: records with them, and records from before them
+
+
+def graph_decode() -> dict:
+    """DECODE as bench decode writes it now: graph-timed, two head dims, a skipped row, the sinks case."""
+    record = json.loads(json.dumps(DECODE))
+    args = decode.parse_args(["--head-dims", "128", "512"])
+    record["config"].update(head_dims=args.head_dims, graph_runs=args.graph_runs, timer=decode.timer(args),
+                            sinks=decode.config(args)["sinks"])
+    rows = record["tables"]["decode"]
+    rows[0]["head_dim"] = rows[1]["head_dim"] = 128
+    rows.append({**rows[0], "head_dim": 512, "us": 1000.0, "gbps": 4200.0, "pct_copy_bw": 98.3})
+    rows.append({**rows[0], **{k: None for k in ("us", "gbps", "pct_copy_bw", "cudnn_us", "flash_us")},
+                 "head_dim": 512, "batch": 256, "kv_len": 16384, "notes": "skipped: needs ~162 GiB"})
+    record["tables"]["check"][0]["head_dim"] = 128
+    record["tables"]["sinks"] = [asdict(decode.SinksRow("CUDA cores", 64, 4096, 250.0, 255.0, 250.0 / 255.0)),
+                                 asdict(decode.SinksRow("tensor cores", 64, 4096, None, None, None, "n/a: ValueError"))]
+    return record
+
+
+def test_decode_rows_by_head_dim_say_how_they_were_timed_and_what_sinks_cost(tmp_path, capsys):
+    path = tmp_path / "bench-decode.json"
+    path.write_text(json.dumps(graph_decode()))
+    lines = section(rendered([path], capsys), "Decode")
+    text = prose(lines)
+    assert columns(lines, "kv dtype")[:3] == ["kv dtype", "head dim", "batch"]
+    assert row(lines, "| bf16 | 512 | 64 |")[:7] == ["bf16", "512", "64", "4096", "1000.0", "4200", "98.3"]
+    assert row(lines, "| bf16 | 512 | 256 |")[4:] == ["n/a"] * 7
+    assert "- bf16 256 x 16384 hd 512: skipped: needs ~162 GiB" in lines
+    assert "32 q / 8 kv heads, hd by row," in text and "bf16 KV 1 x 16384 hd 128: max abs" in text
+    assert "Timing: ours and FlashInfer (CUDA and tensor cores): one CUDA graph of 10 back-to-back run() calls" in text
+    assert "SDPA (one kernel call): CUDA events around each eager call, the median." in text
+    assert "Attention sinks (gpt-oss; run(..., sinks=s), s fp32 [num_qo_heads], random), batch 64 x kv 4096" in text
+    assert columns(lines, "decode path") == ["decode path", "without sinks (µs)", "with sinks (µs)", "without / with"]
+    assert row(lines, "| CUDA cores | 250.0 |") == ["CUDA cores", "250.0", "255.0", "0.980"]
+    assert row(lines, "| tensor cores | n/a |") == ["tensor cores", "n/a", "n/a", "n/a"]
+    assert "- sinks tensor cores: n/a: ValueError" in lines
+
+
+def test_decode_of_one_head_dim_names_it_and_has_no_head_dim_column(tmp_path, capsys):
+    record = graph_decode()
+    record["tables"]["decode"] = [{**r, "head_dim": 256} for r in record["tables"]["decode"][:2]]
+    path = tmp_path / "bench-decode.json"
+    path.write_text(json.dumps(record))
+    lines = section(rendered([path], capsys), "Decode")
+    assert "32 q / 8 kv heads, hd 256," in prose(lines) and "head dim" not in columns(lines, "kv dtype")
+    assert row(lines, "| bf16 | 64 |")[:3] == ["bf16", "64", "4096"]
+
+
+def test_decode_records_from_before_graph_timing_render_as_before(files, capsys):
+    lines = section(rendered([files["decode"]], capsys), "Decode")
+    assert "Timing:" not in prose(lines) and "Attention sinks" not in prose(lines)
+    assert "hd 128, page 16, NHD" in prose(lines) and columns(lines, "kv dtype")[:2] == ["kv dtype", "batch"]
+
+
+# ---------------------------------------------------------------------------------------
 # FlashInfer columns: rendered beside ours where a record has them (records from before have none)
 
 PEER = dict(version="0.7.4", note="", method="same process, same tensors, same plan()/run() arguments and timer")
