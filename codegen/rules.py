@@ -61,7 +61,7 @@ def _fa3_wide(s) -> bool:
 
 def _uninstantiated(s, dims: frozenset) -> bool:
     """On the 16-grid and within 256, but not a listed pair: the rules that say why come first."""
-    return not _off_grid(s) and not _too_wide(s) and (s.head_dim_qk, s.head_dim_vo) not in dims
+    return not _off_grid(s) and not _too_wide(s) and _dims(s) not in dims
 
 
 @dataclass(frozen=True)
