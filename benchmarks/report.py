@@ -166,8 +166,11 @@ def decode_table(run: Run) -> list[str]:
     head_dims = sorted({r.get("head_dim", c["head_dim"]) for r in rows}) or [c["head_dim"]]
     by_hd = len(head_dims) > 1
 
+    def head_dim_of(r: dict) -> int:
+        return r.get("head_dim", c["head_dim"])
+
     def hd(r: dict) -> str:
-        return f" hd {r.get('head_dim', c['head_dim'])}" if by_hd else ""
+        return f" hd {head_dim_of(r)}" if by_hd else ""
 
     checks = "; ".join(f"{k['kv_dtype']} KV {k['batch']} x {k['kv_len']}{hd(k)}: max abs {num(k['max_abs'], '.1e')}, "
                        f"rel L2 {num(k['rel_l2'], '.1e')}" for k in run.table("check"))
@@ -184,15 +187,20 @@ def decode_table(run: Run) -> list[str]:
     peer_header, peer_cells = peer_columns(rows, [("CUDA cores", "us", "flashinfer_us"),
                                                   ("tensor cores", "tc_us", "flashinfer_tc_us")], times=True)
     tc = any(r.get("tc_us") is not None for r in rows)
-    header = ["kv dtype"] + ["head dim"] * by_hd + ["batch", "kv len", "ours (µs)", "GB/s", "% copy BW"] + [
-        "ours tensor cores (µs)", "tensor cores % copy BW"] * tc + ["SDPA cuDNN (µs)", "SDPA FLASH (µs)",
-              "speed-up vs cuDNN", "speed-up vs FLASH"] + ["speed-up vs bf16 KV"] * fp8_rows + peer_header
-    body = [[r["kv_dtype"]] + [hd(r)[4:]] * by_hd + [str(r["batch"]), str(r["kv_len"]), num(r["us"]),
-             num(r["gbps"], ".0f"),
-             num(r["pct_copy_bw"])] + [num(r.get("tc_us")), num(r.get("tc_pct_copy_bw"))] * tc + [
-             num(r["cudnn_us"]), num(r["flash_us"]),
-             faster(r["us"], r["cudnn_us"], ".3f", times=True), faster(r["us"], r["flash_us"], ".3f", times=True)]
-            + [num(r["speedup_vs_bf16_kv"], ".2f")] * fp8_rows + peer_cells(r) for r in rows]
+    header = (["kv dtype"] + ["head dim"] * by_hd + ["batch", "kv len", "ours (µs)", "GB/s", "% copy BW"]
+              + ["ours tensor cores (µs)", "tensor cores % copy BW"] * tc
+              + ["SDPA cuDNN (µs)", "SDPA FLASH (µs)", "speed-up vs cuDNN", "speed-up vs FLASH"]
+              + ["speed-up vs bf16 KV"] * fp8_rows + peer_header)
+
+    def cells(r: dict) -> list[str]:
+        return ([r["kv_dtype"]] + [str(head_dim_of(r))] * by_hd
+                + [str(r["batch"]), str(r["kv_len"]), num(r["us"]), num(r["gbps"], ".0f"), num(r["pct_copy_bw"])]
+                + [num(r.get("tc_us")), num(r.get("tc_pct_copy_bw"))] * tc
+                + [num(r["cudnn_us"]), num(r["flash_us"]), faster(r["us"], r["cudnn_us"], ".3f", times=True),
+                   faster(r["us"], r["flash_us"], ".3f", times=True)]
+                + [num(r["speedup_vs_bf16_kv"], ".2f")] * fp8_rows + peer_cells(r))
+
+    body = [cells(r) for r in rows]
     lines += table(header, body) + notes(rows, lambda r: f"{r['kv_dtype']} {r['batch']} x {r['kv_len']}{hd(r)}")
     plans = run.table("plan")
     if plans:
