@@ -205,3 +205,16 @@ def test_main_writes_a_record_the_report_renders(monkeypatch, tmp_path, capsys):
     assert report.main([str(out)]) == 0
     text = capsys.readouterr().out
     assert "| bf16 | 512 | 256 | 16384 | n/a |" in text and "| CUDA cores | 25.0 | 25.0 | 1.000 |" in text
+
+
+@pytest.mark.parametrize("flag", ["--graph-runs", "--pdl-runs"])
+def test_a_graph_of_no_runs_is_refused_with_the_option_named(flag, capsys):
+    assert decode.main([flag, "0"]) == 2
+    assert "--pdl-runs and --graph-runs must be at least 1" in capsys.readouterr().err
+
+
+def test_an_unlisted_head_dim_is_refused_naming_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--head-dims", "384"])
+    err = capsys.readouterr().err
+    assert "--head-dims" in err and "invalid choice: 384" in err and "512" in err

@@ -55,7 +55,7 @@ class Library:
         return Wrapper
 
 
-def test_every_issue_38_head_dim_parses_and_has_its_heads():
+def test_every_issue_38_head_dim_parses_and_has_its_heads(capsys):
     args = prefill.parse_args(["--shapes", "4x4096", "--head-dims", *ISSUE_38_DIMS])
     assert args.head_dims == [int(d) for d in ISSUE_38_DIMS] and args.shapes == [(4, 4096)] and not args.no_sinks
     assert prefill.HEADS_BY_HEAD_DIM[128] == (32, 8) and prefill.HEADS_BY_HEAD_DIM[160] == (16, 4)
@@ -63,6 +63,8 @@ def test_every_issue_38_head_dim_parses_and_has_its_heads():
     assert prefill.parse_args(["--no-sinks"]).no_sinks
     with pytest.raises(SystemExit):
         prefill.parse_args(["--head-dims", "384"])
+    err = capsys.readouterr().err
+    assert "--head-dims" in err and "invalid choice: 384" in err
 
 
 def test_the_rules_refuse_fa3_at_512_only_and_fa2_at_512_on_small_smem_archs():
