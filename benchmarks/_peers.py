@@ -18,6 +18,16 @@ import time
 import torch
 
 NO_FLASHINFER = "not run (--no-flashinfer)"
+# The head dims the peer is timed at: those FlashInfer ships prebuilt kernels for. At another dim its
+# first call would JIT-compile a module per path (a minute or more each), so those cells are n/a.
+HEAD_DIMS = (64, 128, 256)
+
+
+def skip_note(head_dim: int) -> str:
+    """Why the peer is not timed at head_dim, or "" where it is."""
+    if head_dim in HEAD_DIMS:
+        return ""
+    return f"FlashInfer not run at hd {head_dim} (timed at hd {', '.join(map(str, HEAD_DIMS))} only)"
 
 
 def add_option(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +76,7 @@ class Peer:
 
     def config(self) -> dict:
         """What a record says about the peer: its version, or the note saying why it did not run."""
-        return dict(version=self.version, note=self.note,
+        return dict(version=self.version, note=self.note, head_dims=list(HEAD_DIMS),
                     method="same process, same tensors, same plan()/run() arguments and timer as ours")
 
     def warm(self, calls: dict) -> None:

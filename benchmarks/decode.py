@@ -1,7 +1,7 @@
 """Batch decode benchmark: attnforge vs the copy bandwidth, FlashInfer and torch SDPA, same run.
 
     python -m attnforge.benchmarks.decode [--batch 1 16 64 256] [--kv-len 1024 4096 16384]
-        [--head-dims 64 128 256] [--kv-dtype bf16 e4m3 e5m2] [--eager] [--graph-runs 10] [--no-sinks]
+        [--head-dims 64 128 256] [--more-head-dims 80 96 ... 512] [--more-shapes 64x4096] [--kv-dtype bf16 e4m3 e5m2] [--eager] [--graph-runs 10] [--no-sinks]
         [--no-pdl] [--pdl-runs 32] [--no-flashinfer] [--out F.json]
 
 Shape (the acceptance config): bf16 q, 32 query / 8 kv heads, head_dim 128, page size 16,
@@ -9,7 +9,8 @@ every request of the batch kv_len tokens long, pages scattered over the pool at 
 cache is bf16 or, with --kv-dtype, fp8 (e4m3 / e5m2, dequantized in the kernel); several kv dtypes
 run in one process and fp8 rows report their speed-up over the bf16 row of the same shape.
 --head-dims gives rows for other head dims (any the decode rules accept, 64 to 256 and 512), the
-heads fixed (issue 38 asks at least 95% of the copy bandwidth at batch 64 x 4096 for each); a shape
+heads fixed, at every shape; --more-head-dims gives rows at the --more-shapes only (default 64 x 4096:
+issue 38 asks at least 95% of the copy bandwidth there for each head dim); a shape
 whose problem would not fit the free device memory is a row of n/a with a note.
 
 Method: every contender that is a wrapper run() (ours and FlashInfer's, CUDA cores and tensor cores)
@@ -29,8 +30,8 @@ run on the bf16 rows only.
 Every row times ours on CUDA cores and on tensor cores (use_tensor_cores=True, the prefill kernel:
 issue 40 asks batch 1 x 16384 within 5% of the copy-bandwidth bound there), same problem and timer; a
 tensor-core call that raises (an fp8 KV head dim without its prefill kernel) is n/a, why in the notes.
-FlashInfer (when importable; --no-flashinfer skips it) runs every row on its CUDA cores and its tensor
-cores, through the same decode_call() as ours: the same paged cache, plan() and run() arguments and
+FlashInfer (when importable; --no-flashinfer skips it) runs every row at hd 64, 128 or 256 (its prebuilt
+dims: elsewhere each first call would JIT-compile for minutes) on its CUDA cores and its tensor cores, through the same decode_call() as ours: the same paged cache, plan() and run() arguments and
 timer, its output checked against ours. It is imported and timed after all of ours (importing it slows
 attnforge's host path in the process, see _overhead, which the small batches would show): each row's
 problem is made again from the same seed, and every FlashInfer module the rows need gets its first
@@ -61,7 +62,7 @@ import torch.nn.functional as F
 
 from attnforge.codegen.rules import DECODE_HEAD_DIMS
 
-from . import _overhead, _pdl, _peers, _record
+from . import _overhead, _pdl, _peers, _record, _shapes
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us, time_graph_us
 
 NUM_QO_HEADS = 32
@@ -96,6 +97,7 @@ def parse_args(argv):
     p.add_argument("--head-dims", type=int, nargs="+", choices=HEAD_DIM_CHOICES, default=[HEAD_DIM], metavar="D",
                    help=f"head dims, each timed on every shape, 32 q / 8 kv heads (default {HEAD_DIM}; any of "
                         f"{' '.join(map(str, HEAD_DIM_CHOICES))})")
+    _shapes.add_more_head_dims(p, HEAD_DIM_CHOICES, (64, 4096))
     p.add_argument("--kv-dtype", nargs="+", choices=sorted(KV_DTYPES), default=["bf16"],
                    help="KV cache dtypes, each timed on every shape (default: bf16)")
     p.add_argument("--layout", choices=["NHD", "HND"], default="NHD", help="paged cache layout (default NHD)")
@@ -188,10 +190,17 @@ def problem_bytes(batch: int, kv_len: int, head_dim: int) -> int:
     return PEAK_KV_COPIES * one_kv + SPARE_BYTES
 
 
+def every_head_dim(args) -> list[int]:
+    """The head dims of the table: --head-dims, then the --more-head-dims not among them."""
+    return list(dict.fromkeys(args.head_dims + args.more_head_dims))
+
+
 def shapes(args, free_bytes: int) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int, int], str]]:
     """The (head dim, batch, kv len) rows in table order, and why each shape that would not fit
     free_bytes of device memory is skipped."""
-    rows = [(d, b, n) for d in args.head_dims for b in args.batch for n in args.kv_len]
+    configs = [(b, n) for b in args.batch for n in args.kv_len]
+    rows = [(d, b, n) for d, (b, n) in _shapes.head_dim_shapes(args.head_dims, configs, args.more_head_dims,
+                                                                args.more_shapes)]
     skipped = {s: f"skipped: needs ~{problem_bytes(*s[1:], s[0]) / 2**30:.0f} GiB of device memory, "
                   f"{free_bytes / 2**30:.0f} GiB free" for s in rows if problem_bytes(*s[1:], s[0]) > free_bytes}
     return rows, skipped
@@ -380,7 +389,9 @@ def warm_peer(peer: _peers.Peer, args) -> None:
     """The first call of each FlashInfer decode module the rows need (path x kv dtype x head dim), before timing."""
     calls = {}
     for kv_name in args.kv_dtype:
-        for head_dim in args.head_dims:
+        for head_dim in every_head_dim(args):
+            if _peers.skip_note(head_dim):
+                continue
             small = make_problem(1, PAGE_SIZE, args.layout, KV_DTYPES[kv_name], head_dim=head_dim)
             for _, tensor_cores in PEER_PATHS:
                 calls[peer_key(tensor_cores, kv_name, head_dim)] = lambda lib, s=small, t=tensor_cores: decode_call(
@@ -549,7 +560,8 @@ def config(args, peer: _peers.Peer | None = None) -> dict:
     """What the JSON record says about the problem and the method. head_dim is that of the plan, PDL,
     overhead and sinks cases; head_dims those of the decode table."""
     return dict(dtype="bf16", kv_dtypes=args.kv_dtype, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
-                head_dim=HEAD_DIM, head_dims=args.head_dims, page_size=PAGE_SIZE, layout=args.layout,
+                head_dim=HEAD_DIM, head_dims=args.head_dims, more_head_dims=args.more_head_dims,
+                more_shapes=[f"{b} x {n}" for b, n in args.more_shapes], page_size=PAGE_SIZE, layout=args.layout,
                 iters=args.iters, warmup=args.warmup, settle_s=SETTLE_SECONDS, l2_flush=args.flush_l2,
                 graph_runs=None if args.eager else args.graph_runs, timer=timer(args),
                 bytes="q + K + V + o", copy="4 GiB D2D copy, read + write",
@@ -576,7 +588,7 @@ def main(argv=None) -> int:
     checks = []
     try:
         for kv_name in args.kv_dtype:
-            for head_dim in args.head_dims:
+            for head_dim in every_head_dim(args):
                 problem = make_problem(*smallest, args.layout, KV_DTYPES[kv_name], head_dim=head_dim)
                 errors = verify(problem, args.layout)
                 checks.append(dict(kv_dtype=kv_name, batch=smallest[0], kv_len=smallest[1], head_dim=head_dim,
@@ -605,6 +617,9 @@ def main(argv=None) -> int:
     warm_peer(peer, args)
     for r in rows if peer.present else ():
         if r.us is None:  # skipped: it would not fit
+            continue
+        if skipped := _peers.skip_note(r.head_dim):
+            r.notes = "; ".join(filter(None, [r.notes, skipped]))
             continue
         add_peer(r, args, flush, peer)
         torch.cuda.empty_cache()

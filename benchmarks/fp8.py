@@ -39,7 +39,7 @@ import torch
 
 from attnforge.codegen.rules import FA3_FP8_PREFILL_HEAD_DIMS
 
-from . import _peers, _record, decode, prefill
+from . import _peers, _record, _shapes, decode, prefill
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 from .decode import _fmt
 
@@ -73,7 +73,7 @@ SCALES = Scales(q=0.5, k=0.75, v=1.0)
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="attnforge bench fp8", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", type=prefill.batch_by_length, default=[(4, 4096)],
+    p.add_argument("--shapes", nargs="+", type=_shapes.batch_by_length, default=[(4, 4096)],
                    help="BATCHxLEN (default: 4x4096)")
     p.add_argument("--head-dims", nargs="+", type=int, choices=HEAD_DIMS, default=DEFAULT_HEAD_DIMS,
                    help="head dims (default: 128 256; any of " + " ".join(map(str, HEAD_DIMS))

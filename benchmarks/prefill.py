@@ -1,12 +1,12 @@
 """Batch prefill benchmark: attnforge FA2 and FA3 prefill (paged and ragged) vs FlashInfer's and torch
 SDPA, same run; and tensor-core vs CUDA-core decode, ours and FlashInfer's.
 
-    python -m attnforge.benchmarks.prefill [--shapes 16x1024 4x4096 1x16384] [--head-dims 64 80 96 ... 256 512]
-                                           [--no-peers] [--no-flashinfer] [--no-decode] [--no-sinks] [--out F.json]
+    python -m attnforge.benchmarks.prefill [--shapes 16x1024 4x4096 1x16384] [--head-dims 64 128 256]
+                                           [--more-head-dims 80 96 ... 512] [--more-shapes 4x4096] [--no-peers] [--no-flashinfer] [--no-decode] [--no-sinks] [--out F.json]
 
 Prefill shape (the acceptance config): bf16, 32 query / 8 kv heads (head dim 256: 16 / 4), head
-dim 128 unless --head-dims says otherwise, every request L query tokens over the same L kv
-tokens, causal and non-causal; paged with page size 16 (pages scattered at random) and ragged.
+dim 128 unless --head-dims says otherwise (--more-head-dims: dims timed only at the --more-shapes,
+default 4 x 4096), every request L query tokens over the same L kv tokens, causal and non-causal; paged with page size 16 (pages scattered at random) and ragged.
 TFLOP/s counts 4 * B * L^2 * Hq * D, halved for causal. Head dim 512 runs on fa2 alone: a backend the
 rules refuse at a head dim is n/a in its cells, the rule in the row's notes. Every head dim is checked
 against attnforge.reference on a small batch before anything is timed.
@@ -18,7 +18,8 @@ skips SDPA). Decode: batch 64 x kv 4096, 8 kv heads, hd 128, GQA groups 1, 4, 8,
 BatchDecodeWithPagedKVCacheWrapper on CUDA cores and on tensor cores (fa2, and fa3 on sm90), ours
 and FlashInfer's through decode.decode_call(). FlashInfer JIT-compiles a module on first use: every
 one the run needs gets its first call (printed, with its time) before anything is timed. A FlashInfer
-call that raises is n/a in its cell, the reason in the row's notes. Sinks (--no-sinks skips them): fa2
+call that raises is n/a in its cell, the reason in the row's notes; FlashInfer runs at hd 64, 128 and
+256 only (its prebuilt dims: elsewhere each first call would JIT-compile for minutes). Sinks (--no-sinks skips them): fa2
 and fa3 paged prefill at 4 x 4096, hd 128, causal and not, run() against run(sinks=s) on the same
 wrapper; the table's ratio is time without over time with (target >= 0.97: sinks cost at most 3%).
 
@@ -40,7 +41,7 @@ from attnforge.codegen.dtypes import DType
 from attnforge.codegen.rules import FA2_WIDE_HEAD_DIMS, HEAD_DIMS, check
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind
 
-from . import _peers, _record, decode
+from . import _peers, _record, _shapes, decode
 from ._timing import SETTLE_SECONDS, copy_bandwidth_gbps, time_cuda_us
 
 NUM_QO_HEADS = 32
@@ -66,22 +67,15 @@ SINK_LOGIT = 8.0
 BACKENDS = ("fa2", "fa3") if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else ("fa2",)
 
 
-def batch_by_length(text: str) -> tuple[int, int]:
-    """A --shapes item, BATCHxLEN with both positive."""
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise argparse.ArgumentTypeError(f"expected BATCHxLEN with positive integers (e.g. 4x4096), got {text!r}")
-    return int(parts[0]), int(parts[1])
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="attnforge bench prefill", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", type=batch_by_length, default=[(16, 1024), (4, 4096), (1, 16384)],
+    p.add_argument("--shapes", nargs="+", type=_shapes.batch_by_length, default=[(16, 1024), (4, 4096), (1, 16384)],
                    help="BATCHxLEN (default: 16x1024 4x4096 1x16384)")
     p.add_argument("--head-dims", nargs="+", type=int, choices=sorted(HEADS_BY_HEAD_DIM), default=[HEAD_DIM],
                    help="head dims (default 128; any of " + " ".join(map(str, BENCH_HEAD_DIMS)) + "); above 128 "
                         "they run with 16 query / 4 kv heads; a backend the rules refuse at a dim (fa3 at 512) is n/a "
                         "with the rule's reason")
+    _shapes.add_more_head_dims(p, sorted(HEADS_BY_HEAD_DIM), (4, 4096))
     p.add_argument("--iters", type=int, default=30, help="timed calls per kernel (median reported)")
     p.add_argument("--warmup", type=int, default=5, help=f"untimed calls first (the warm-up lasts {SETTLE_SECONDS:g} s at least)")
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA peers")
@@ -320,6 +314,8 @@ def call_key(backend: str, paged: bool, problem: Problem) -> str:
 def warm_peer(peer: _peers.Peer, head_dims) -> None:
     """The first call of every peer prefill module the run needs, on a small problem, before timing."""
     for dim in head_dims:
+        if _peers.skip_note(dim):
+            continue
         paths = [(backend, paged) for backend in backends_at(dim) for paged in (True, False)]
         peer.warm(builds(make_problem(1, 128, Heads.for_head_dim(dim)), True, paths))
 
@@ -370,7 +366,9 @@ def measure(batch: int, length: int, h: Heads, causal: bool, args, peer: _peers.
         us = sdpa_peer_us(problem, batch, causal, name, backend, reference_out, args, notes, errors)
         peers[name] = tflops(us) if us else None
     theirs, peer_err = {}, None
-    if peer is not None:
+    if peer is not None and peer.present and (skipped := _peers.skip_note(h.dim)):
+        notes.append(skipped)
+    elif peer is not None:
         us, peer_err = peer_us(peer, builds(problem, causal, outs),
                                {call_key(*path, problem): out for path, out in outs.items()}, args, notes)
         theirs = {path: tflops(us[call_key(*path, problem)]) if us[call_key(*path, problem)] else None for path in outs}
@@ -517,6 +515,7 @@ def config(args, peer: _peers.Peer | None = None) -> dict:
     """What the JSON record says about the problems and the method."""
     heads = {str(dim): dict(num_qo_heads=qo, num_kv_heads=kv) for dim, (qo, kv) in HEADS_BY_HEAD_DIM.items()}
     return dict(dtype="bf16", heads_by_head_dim=heads, page_size=PAGE_SIZE, backends=list(BACKENDS),
+                more_head_dims=args.more_head_dims, more_shapes=[f"{b} x {n}" for b, n in args.more_shapes],
                 iters=args.iters, warmup=args.warmup, settle_s=SETTLE_SECONDS, l2_flush=False,
                 timer="CUDA events per call, median", flops="4 * B * L^2 * Hq * D, halved for causal",
                 peers="torch SDPA cuDNN and FLASH on dense [B, H, L, D] tensors of the same contents",
@@ -538,22 +537,24 @@ def main(argv=None) -> int:
     from attnforge.dispatch import device_archs
 
     archs = device_archs(torch.cuda.current_device())
-    refused = {dim: why for dim in args.head_dims if (why := refusal("fa2", dim, archs))}
+    pairs = _shapes.head_dim_shapes(args.head_dims, args.shapes, args.more_head_dims, args.more_shapes)
+    head_dims = list(dict.fromkeys(dim for dim, _ in pairs))
+    refused = {dim: why for dim in head_dims if (why := refusal("fa2", dim, archs))}
     if refused:  # fa2 is every row's baseline: a head dim it cannot run here has no row
         print("attnforge bench prefill: fa2 refuses " + "; ".join(f"hd {d}: {why}" for d, why in refused.items()),
               file=sys.stderr)
         return 2
     try:
-        checks = verify(args.head_dims)
+        checks = verify(head_dims)
     except AssertionError as exc:
         print(f"CORRECTNESS CHECK FAILED, not timing: {exc}", file=sys.stderr)
         return 1
     peer = _peers.Peer.from_args(args)
-    warm_peer(peer, args.head_dims)
+    warm_peer(peer, head_dims)
     if not args.no_decode:
         warm_decode_peer(peer)
     rows = [measure(b, n, Heads.for_head_dim(dim), causal, args, peer)
-            for dim in args.head_dims for b, n in args.shapes for causal in (False, True)]
+            for dim, (b, n) in pairs for causal in (False, True)]
     copy_gbps = copy_bandwidth_gbps()
     decode_results = [] if args.no_decode else decode_rows(args, copy_gbps, peer)
     sinks = [] if args.no_sinks else sinks_rows(args)

@@ -77,6 +77,19 @@ def test_rows_by_head_dim_then_shape_and_what_does_not_fit_is_skipped():
     assert decode.problem_bytes(1, 1000, 64) == decode.problem_bytes(1, 1008, 64)  # whole pages
 
 
+def test_more_head_dims_run_at_the_more_shapes_only_after_every_shape_of_the_head_dims():
+    args = decode.parse_args(["--batch", "1", "64", "--kv-len", "4096", "--more-head-dims", "80", "128", "512"])
+    assert args.more_shapes == [(64, 4096)]
+    rows, skipped = decode.shapes(args, 130 << 30)
+    # 128 is already timed at every shape: --more-head-dims adds no second row for it
+    assert rows == [(128, 1, 4096), (128, 64, 4096), (80, 64, 4096), (512, 64, 4096)] and not skipped
+    assert decode.every_head_dim(args) == [128, 80, 512]
+    config = decode.config(args)
+    assert config["more_head_dims"] == [80, 128, 512] and config["more_shapes"] == ["64 x 4096"]
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--more-head-dims", "100"])
+
+
 def test_skipped_rows_are_n_a_and_fp8_speed_ups_pair_rows_of_one_head_dim():
     rows = [decode.Row("bf16", 64, 4096, 200.0, 1.0, 1.0, None, None, None, head_dim=128),
             decode.Row("bf16", 64, 4096, 400.0, 1.0, 1.0, None, None, None, head_dim=256),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnforge import reference
-from attnforge.benchmarks import prefill
+from attnforge.benchmarks import _shapes, prefill
 from attnforge.codegen.rules import HEAD_DIMS
 from attnforge.codegen.spec import Arch
 
@@ -65,6 +65,17 @@ def test_every_issue_38_head_dim_parses_and_has_its_heads(capsys):
         prefill.parse_args(["--head-dims", "384"])
     err = capsys.readouterr().err
     assert "--head-dims" in err and "invalid choice: 384" in err
+
+
+def test_more_head_dims_default_to_4x4096_and_follow_the_head_dims():
+    args = prefill.parse_args(["--head-dims", "64", "128", "--more-head-dims", "80", "64", "512"])
+    assert args.more_shapes == [(4, 4096)]
+    pairs = _shapes.head_dim_shapes(args.head_dims, args.shapes, args.more_head_dims, args.more_shapes)
+    assert pairs == [(d, s) for d in (64, 128) for s in args.shapes] + [(80, (4, 4096)), (512, (4, 4096))]
+    assert prefill.config(prefill.parse_args(["--more-shapes", "2x8192"]))["more_shapes"] == ["2 x 8192"]
+    for bad in (["--more-shapes", "4x"], ["--more-head-dims", "384"]):
+        with pytest.raises(SystemExit):
+            prefill.parse_args(bad)
 
 
 def test_the_rules_refuse_fa3_at_512_only_and_fa2_at_512_on_small_smem_archs():

@@ -165,3 +165,9 @@ def test_a_missing_flashinfer_is_a_reason(monkeypatch):
     peer = _peers.Peer.from_args(prefill.parse_args([]))
     assert not peer.present and peer.note.startswith("FlashInfer not importable (ModuleNotFoundError")
     assert peer.config()["version"] is None
+
+
+def test_the_peer_runs_at_its_prebuilt_head_dims_only():
+    assert [d for d in (64, 80, 128, 192, 256, 512) if not _peers.skip_note(d)] == [64, 128, 256]
+    assert _peers.skip_note(80) == "FlashInfer not run at hd 80 (timed at hd 64, 128, 256 only)"
+    assert _peers.Peer(None, "absent").config()["head_dims"] == [64, 128, 256]
