@@ -64,15 +64,14 @@ def paged_strides(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int]:
     return cache.stride(0), cache.stride(2), cache.stride(1)
 
 
-def check_ragged(k: torch.Tensor, v: torch.Tensor, kv_layout: str, num_tokens: int, num_kv_heads: int,
-                 head_dim_qk: int, head_dim_vo: int, dtype: torch.dtype, device: torch.device) -> None:
-    """k [tokens, heads, head_dim_qk] and v [tokens, heads, head_dim_vo] (NHD), or heads first
-    (HND), with the planned sizes, dtype and device."""
+def check_ragged(x: torch.Tensor, name: str, kv_layout: str, num_tokens: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """Ragged k or v (argument `name`): [tokens, heads, head_dim] (NHD), or heads first (HND), with the
+    planned sizes, dtype and device."""
     layout = ("[kv_indptr[-1], num_kv_heads, head_dim]" if kv_layout == "NHD"
               else "[num_kv_heads, kv_indptr[-1], head_dim]")
-    for name, x, dim in (("k", k, head_dim_qk), ("v", v, head_dim_vo)):
-        expected = (num_tokens, num_kv_heads, dim) if kv_layout == "NHD" else (num_kv_heads, num_tokens, dim)
-        checks.planned_tensor(x, name, expected, layout, planned_dtype=dtype, dtype_arg="kv_data_type", on=device)
+    expected = (num_tokens, num_kv_heads, head_dim) if kv_layout == "NHD" else (num_kv_heads, num_tokens, head_dim)
+    checks.planned_tensor(x, name, expected, layout, planned_dtype=dtype, dtype_arg="kv_data_type", on=device)
 
 
 def kv_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -417,8 +417,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
             return compile_ops.batch_run("batch_prefill_ragged", self, plan.dtype_o, q, (k, v), args, q_scale,
                                          k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
         checks.run_extras(plan.window_left, enable_pdl, window_left)
-        kv_cache.check_ragged(k, v, self._kv_layout, plan.total_kv, plan.num_kv_heads, plan.head_dim_qk,
-                              plan.head_dim_vo, plan.dtype_kv, self._device)
+        # full checks once per tensor form and plan, as the paged cache's: run() is called every step and layer
+        for x, name, dim in ((k, "k", plan.head_dim_qk), (v, "v", plan.head_dim_vo)):
+            plan.accepted.ensure(x, name, lambda x, name=name, dim=dim: kv_cache.check_ragged(
+                x, name, self._kv_layout, plan.total_kv, plan.num_kv_heads, dim, plan.dtype_kv, self._device))
         k_token, k_head = kv_cache.ragged_strides(k, self._kv_layout)
         v_token, v_head = kv_cache.ragged_strides(v, self._kv_layout)
         # A ragged cache is a paged one of one-token pages: num_pages carries its rows (fa3 boxes them by TMA).
