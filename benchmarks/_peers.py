@@ -35,8 +35,8 @@ class PeerModule(NamedTuple):
 
 
 def timed_modules(fp8_head_dims) -> list[PeerModule]:
-    """Every FlashInfer module the decode, prefill and fp8 benchmarks (and the peer test) call with
-    their defaults: bf16 on each path at HEAD_DIMS; the fp8 paths (e4m3 q/k/v on fa3, an e4m3 cache
+    """Every FlashInfer attention module the decode, prefill and fp8 benchmarks call with their
+    defaults (the peer test's bf16 hd 128 ones among them): bf16 on each path at HEAD_DIMS; the fp8 paths (e4m3 q/k/v on fa3, an e4m3 cache
     under a bf16 query on fa2) at fp8_head_dims, and fp8-KV CUDA-core decode at hd 128 (the fp8
     benchmark's decode table). Outputs are bf16 throughout."""
     bf16 = [PeerModule(kind, "bfloat16", "bfloat16", dim) for dim in HEAD_DIMS for kind in ("decode", "fa2", "fa3")]

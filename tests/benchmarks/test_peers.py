@@ -210,3 +210,12 @@ def test_timed_modules_cover_every_head_dim_and_path():
     for dim in fp8.DEFAULT_HEAD_DIMS:
         assert _peers.PeerModule("fa3", "float8_e4m3fn", "float8_e4m3fn", dim) in modules
         assert _peers.PeerModule("fa2", "bfloat16", "float8_e4m3fn", dim) in modules
+
+
+def test_prebuild_command_refuses_an_unknown_command_and_an_absent_peer(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _peers.main(["build"])
+    assert "invalid choice: 'build' (choose from 'prebuild')" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer raises ModuleNotFoundError
+    assert _peers.main(["prebuild"]) == 1
+    assert "FlashInfer not importable (ModuleNotFoundError" in capsys.readouterr().err
