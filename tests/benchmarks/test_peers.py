@@ -173,26 +173,35 @@ def test_the_peer_runs_at_its_prebuilt_head_dims_only():
     assert _peers.Peer(None, "absent").config()["head_dims"] == [64, 128, 256]
 
 
-def test_prebuild_builds_each_timed_module_in_one_call(monkeypatch):
-    """prebuild() hands every module to one build_jit_specs call, each through the generator its
+class _Spec:
+    """A stand-in JitSpec: records the generator call that made it and its builds."""
+
+    def __init__(self, call, built, is_aot=False):
+        self.call, self.built, self.is_aot = call, built, is_aot
+
+    def build(self, verbose, need_lock):
+        assert (verbose, need_lock) == (False, True)
+        self.built.append(self.call)
+
+
+def test_prebuild_builds_each_timed_module_by_its_own_build(monkeypatch):
+    """prebuild() builds every module (but those shipped AOT) through its own spec.build(), which runs
+    ninja in the module's folder as the first call's build does, each spec made by the generator its
     wrappers load: CUDA-core decode, the fa2 prefill module (also its tensor-core decode), fa3."""
-    made, builds = [], []
+    made, built = [], []
     jit = types.ModuleType("flashinfer.jit.attention.modules")
     generators = {"decode": "gen_batch_decode_module", "fa2": "_gen_batch_prefill_primary_module",
                   "fa3": "gen_batch_prefill_module"}
     for name in generators.values():
-        setattr(jit, name, lambda *a, name=name: made.append((name, *a)) or len(made))
-    core = types.ModuleType("flashinfer.jit.core")
-    core.build_jit_specs = lambda specs, verbose: builds.append(list(specs))
+        setattr(jit, name, lambda *a, name=name: made.append((name, *a)) or _Spec(made[-1], built, len(made) == 1))
     attention = types.ModuleType("flashinfer.jit.attention")
     attention.modules = jit
     for name, module in {"flashinfer": types.ModuleType("flashinfer"), "flashinfer.jit": types.ModuleType("flashinfer.jit"),
-                         "flashinfer.jit.attention": attention, "flashinfer.jit.attention.modules": jit,
-                         "flashinfer.jit.core": core}.items():
+                         "flashinfer.jit.attention": attention, "flashinfer.jit.attention.modules": jit}.items():
         monkeypatch.setitem(sys.modules, name, module)
     modules = _peers.timed_modules(fp8.DEFAULT_HEAD_DIMS)
     _peers.prebuild(modules)
-    assert builds == [list(range(1, len(modules) + 1))]
+    assert sorted(built, key=made.index) == made[1:]  # the first stands for an AOT module: not built
     for m, call in zip(modules, made):
         dtypes = (getattr(torch, m.dtype_q), getattr(torch, m.dtype_kv), torch.bfloat16, torch.int32)
         backend = () if m.kind == "decode" else (m.kind,)
