@@ -41,24 +41,27 @@ def work_capacity(batch_size: int, max_ctas: int, ctas_per_request: int) -> int:
 class PlanLayout:
     """Offsets (int32 elements) of the arrays in the plan image: the header, indptr[batch+1], four
     work arrays of `capacity` entries (request, begin, end, partial slot), partial_indptr[batch+1],
-    kv_len[batch] (the position encodings place the query at kv_len - 1)."""
+    kv_len[batch] (the position encodings place the query at kv_len - 1), and the fused merge's
+    arrival counters, one per CTA unit of a request: [batch, ctas_per_request], zeroed by plan()."""
 
     batch_size: int
     capacity: int
+    ctas_per_request: int
 
     def offsets(self) -> dict[str, int]:
         out, cursor = {}, len(PLAN_HEADER)
         for name, length in (("indptr", self.batch_size + 1), ("work_request", self.capacity),
                              ("work_begin", self.capacity), ("work_end", self.capacity),
                              ("work_partial", self.capacity), ("partial_indptr", self.batch_size + 1),
-                             ("kv_len", self.batch_size)):
+                             ("kv_len", self.batch_size), ("merge_counters", self.batch_size * self.ctas_per_request)):
             out[f"off_{name}"] = cursor
             cursor += length
         return out
 
     @property
     def size(self) -> int:
-        return len(PLAN_HEADER) + 2 * (self.batch_size + 1) + self.batch_size + 4 * self.capacity
+        return (len(PLAN_HEADER) + 2 * (self.batch_size + 1) + self.batch_size + 4 * self.capacity
+                + self.batch_size * self.ctas_per_request)
 
 
 def partial_bytes(num_partials: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
@@ -146,7 +149,7 @@ def plan_decode_oracle(
     if num_work > layout.capacity:
         raise PlanError(f"the plan needs {num_work} work items but has room for {layout.capacity}")
 
-    image = [0] * layout.size
+    image = [0] * layout.size  # the merge counters included: 0, as the fused merge leaves them
     off = layout.offsets()
     items = []
     partial_indptr = [0]

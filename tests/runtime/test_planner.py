@@ -75,7 +75,7 @@ ORACLE_KEYS = ("page_size", "num_indices", "ctas_per_request", "max_ctas", "wind
 
 
 def oracle(b: dict, layout: PlanLayout | None = None):
-    layout = layout or PlanLayout(len(b["last_page_len"]), capacity_for(b))
+    layout = layout or PlanLayout(len(b["last_page_len"]), capacity_for(b), b["ctas_per_request"])
     return plan_decode_oracle(b["indptr"], b["last_page_len"], layout=layout, **{k: b[k] for k in ORACLE_KEYS}), layout
 
 
@@ -201,7 +201,7 @@ def _bad_variants(b: dict, draw_index: int) -> list[tuple[dict, str]]:
 def test_oracle_refuses_bad_page_tables_naming_the_index(b, draw_index):
     for bad, named in _bad_variants(b, draw_index):
         with pytest.raises(PlanError) as info:
-            oracle(bad, PlanLayout(len(bad["last_page_len"]), capacity_for(b)))
+            oracle(bad, PlanLayout(len(bad["last_page_len"]), capacity_for(b), b["ctas_per_request"]))
         assert named in str(info.value)
 
 
@@ -216,7 +216,50 @@ def test_oracle_refuses_a_plan_beyond_its_capacity():
     b = dict(indptr=[0, 100], last_page_len=[16], page_size=16, num_indices=100, ctas_per_request=1, max_ctas=132,
              window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600], chunk_align_tokens=1)
     with pytest.raises(PlanError, match="work items"):
-        oracle(b, PlanLayout(1, 10))
+        oracle(b, PlanLayout(1, 10, 1))
+
+
+def merge_counters(image: list[int], layout: PlanLayout) -> list[int]:
+    start = layout.offsets()["off_merge_counters"]
+    return image[start : start + layout.batch_size * layout.ctas_per_request]
+
+
+def test_merge_counters_close_the_image_one_per_cta_unit_zeroed():
+    """The fused merge's counters: [batch, ctas_per_request] int32 after every other array, the
+    image's last entries, all 0 in a fresh plan (the decode kernel returns them to 0 after a run)."""
+    b = dict(indptr=[0, 64, 64, 65], last_page_len=[16, 0, 3], page_size=16, num_indices=65, ctas_per_request=6,
+             max_ctas=264, window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[1024, 0, 3],
+             chunk_align_tokens=1)
+    result, layout = oracle(b)
+    assert result.num_partials > 1, "request 0 must be split for the counters to matter"
+    offsets = layout.offsets()
+    ends = sorted((offset, name) for name, offset in offsets.items())
+    assert ends[-1][1] == "off_merge_counters" and offsets["off_merge_counters"] == offsets["off_kv_len"] + 3
+    assert layout.size == offsets["off_merge_counters"] + 3 * 6
+    assert PlanLayout(3, layout.capacity, 1).size == layout.size - 3 * 5
+    assert merge_counters(result.image, layout) == [0] * 18
+
+
+@pytest.mark.nvcc
+def test_cxx_planner_zeroes_merge_counters_a_previous_plan_left_dirty(module):
+    """A pinned image is reused across plans: counters that hold garbage (a run cut short, a first
+    upload of a never-written buffer) must be 0 after the next plan, which otherwise equals the oracle's."""
+    b = dict(indptr=[0, 64, 66], last_page_len=[16, 5], page_size=16, num_indices=66, ctas_per_request=8,
+             max_ctas=264, window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[1024, 21],
+             chunk_align_tokens=1)
+    result, layout = oracle(b)
+    image = (ctypes.c_int32 * layout.size)(*([-7] * layout.size))
+    status, first, _, error = cxx_plan(module, b, layout, image)
+    assert status == 0, error
+    assert merge_counters(first, layout) == [0] * 16
+    start = layout.offsets()["off_merge_counters"]
+    for i in range(16):
+        image[start + i] = 3 + i  # as if the kernel had counted arrivals and never reset them
+    status, second, _, error = cxx_plan(module, b, layout, image)
+    assert status == 0, error
+    assert merge_counters(second, layout) == [0] * 16
+    written = [i for i, v in enumerate(result.image) if v != 0] + list(range(start, layout.size))
+    assert [second[i] for i in written] == [result.image[i] for i in written]
 
 
 def test_empty_request_gets_one_empty_item():
@@ -239,12 +282,13 @@ def module(plan_shim):
     return plan_shim("decode_plan.h", "plan_decode", *STRUCTS)
 
 
-def cxx_plan(shim, b: dict, layout: PlanLayout):
+def cxx_plan(shim, b: dict, layout: PlanLayout, image=None):
     """Call the C++ planner as decode.py plan() does, on a zeroed image (entries it does not
-    write stay 0, as in the oracle's image). (status, image, info, error message)"""
+    write stay 0, as in the oracle's image) or on `image`, a ctypes array reused across plans.
+    (status, image, info, error message)"""
     indptr = (ctypes.c_int32 * len(b["indptr"]))(*b["indptr"])
     last_page_len = (ctypes.c_int32 * max(len(b["last_page_len"]), 1))(*b["last_page_len"])
-    image = (ctypes.c_int32 * layout.size)()
+    image = (ctypes.c_int32 * layout.size)() if image is None else image
     args = shim.mirrors["DecodePlanArgs"](
         indptr=ctypes.addressof(indptr), last_page_len=ctypes.addressof(last_page_len), image=ctypes.addressof(image),
         batch_size=len(b["last_page_len"]), min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=layout.capacity,
@@ -282,7 +326,7 @@ def test_cxx_planner_matches_oracle(module, b):
 @given(b=batches(max_batch=40), draw_index=st.integers(0, 10**6))
 def test_cxx_planner_refuses_what_the_oracle_refuses(module, b, draw_index):
     for bad, named in _bad_variants(b, draw_index):
-        layout = PlanLayout(len(bad["last_page_len"]), capacity_for(b))
+        layout = PlanLayout(len(bad["last_page_len"]), capacity_for(b), b["ctas_per_request"])
         with pytest.raises(PlanError) as info:
             oracle(bad, layout)
         assert named in str(info.value)
@@ -295,7 +339,7 @@ def test_cxx_planner_refuses_what_the_oracle_refuses(module, b, draw_index):
 def test_cxx_planner_refuses_a_plan_beyond_its_capacity(module):
     b = dict(indptr=[0, 100], last_page_len=[16], page_size=16, num_indices=100, ctas_per_request=1, max_ctas=132,
              window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600], chunk_align_tokens=1)
-    status, _, _, error = cxx_plan(module, b, PlanLayout(1, 10))
+    status, _, _, error = cxx_plan(module, b, PlanLayout(1, 10, 1))
     assert status != 0
     assert "work items" in error and "fixed_split_size" in error
 

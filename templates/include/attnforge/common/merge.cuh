@@ -9,7 +9,8 @@
 //   each output row exactly once: in the attention kernel's epilogue for a row it writes to o, here
 //   after a split row's partials are merged (the partials themselves never hold it).
 //   PDL (pdl.cuh): launched right after the attention kernel that writes the partials, it waits for
-//   it before reading the plan; its partials read, it lets the next kernel launch.
+//   it before reading the plan; its row range read, it lets the next kernel launch.
+//   merge_partial_row is the merge itself, also run inside the fa2 decode kernel (fused merge).
 // Must not: read anything but the partial buffers and the plan.
 #pragma once
 
@@ -57,29 +58,26 @@ struct MergeArgs {
   const float* sinks;  // [num_qo_heads] fp32 sink logits joined into each merged row, or null
 };
 
+// Merges the partial slots [first, last) of one (row, qo_head) over the kCols fp32 columns from
+// `col`, joins the sink, and stores them to o (and lse, from the thread of column 0). The one merge
+// both the standalone kernel and the decode kernel's fused merge run. Partials are read with __ldcg:
+// in the fused merge other CTAs wrote them during this grid, so L1 may hold stale lines.
 template <typename DTypeO, int kHeadDim>
-__global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
-  constexpr int kCols = 4;  // fp32 columns per thread: one float4 load
-  wait_for_prior_grids();  // PDL: the partials are the previous kernel's output
-  const int row_id = blockIdx.x;
-  const int qo_head = blockIdx.y * blockDim.y + threadIdx.y;
-  if (qo_head >= p.num_qo_heads) return;
-  const int first = p.plan[p.off_row_indptr + row_id];
-  const int last = p.plan[p.off_row_indptr + row_id + 1];
-  if (first == last) return;
-
+__device__ __forceinline__ void merge_partial_row(const MergeArgs& p, int row_id, int qo_head, int first, int last,
+                                                  int col) {
+  constexpr int kCols = 4;  // fp32 columns: one float4 load
   float m = kNegInf, d = 0.f;
   float acc[kCols] = {};
   bool poisoned = false;  // a chunk that read a bad page id: the whole row must come out NaN
   for (int slot = first; slot < last; ++slot) {
     const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
-    const float s = p.tmp_s[row];
+    const float s = __ldcg(p.tmp_s + row);
     poisoned |= isnan(s);
     const float m_new = fmaxf(m, s);
     if (m_new == kNegInf) continue;
     const float a = fast_exp2(m - m_new);
     const float b = fast_exp2(s - m_new);
-    const float4 v = *reinterpret_cast<const float4*>(p.tmp_v + row * kHeadDim + threadIdx.x * kCols);
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(p.tmp_v + row * kHeadDim + col));
     acc[0] = acc[0] * a + v.x * b;
     acc[1] = acc[1] * a + v.y * b;
     acc[2] = acc[2] * a + v.z * b;
@@ -87,7 +85,6 @@ __global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
     d = d * a + b;
     m = m_new;
   }
-  allow_dependent_grids();
   float inv_d = poisoned ? NAN : (d > 0.f ? 1.f / d : 0.f);
   float lse = poisoned ? NAN : (d > 0.f ? m + log2f(d) : kNegInf);
   if (p.sinks != nullptr) {  // the partials hold no sink: it joins the merged row here, once
@@ -95,10 +92,23 @@ __global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
     inv_d *= joined.scale;
     lse = joined.lse;
   }
-  DTypeO* o_row = static_cast<DTypeO*>(p.o) + row_id * p.o_stride_n + qo_head * p.o_stride_h + threadIdx.x * kCols;
+  DTypeO* o_row = static_cast<DTypeO*>(p.o) + row_id * p.o_stride_n + qo_head * p.o_stride_h + col;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) o_row[c] = static_cast<DTypeO>(acc[c] * inv_d);
-  if (p.lse != nullptr && threadIdx.x == 0) p.lse[int64_t(row_id) * p.num_qo_heads + qo_head] = lse;
+  if (p.lse != nullptr && col == 0) p.lse[int64_t(row_id) * p.num_qo_heads + qo_head] = lse;
+}
+
+template <typename DTypeO, int kHeadDim>
+__global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
+  wait_for_prior_grids();  // PDL: the partials are the previous kernel's output
+  const int row_id = blockIdx.x;
+  const int qo_head = blockIdx.y * blockDim.y + threadIdx.y;
+  if (qo_head >= p.num_qo_heads) return;
+  const int first = p.plan[p.off_row_indptr + row_id];
+  const int last = p.plan[p.off_row_indptr + row_id + 1];
+  if (first == last) return;
+  allow_dependent_grids();  // the next kernel still waits for this grid's completion to read o
+  merge_partial_row<DTypeO, kHeadDim>(p, row_id, qo_head, first, last, threadIdx.x * 4);
 }
 
 template <typename DTypeO, int kHeadDim>
