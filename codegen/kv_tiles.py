@@ -16,8 +16,14 @@ DECODE_WARPS = DECODE_THREADS // 32
 
 def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
     """Tokens per tile of the decode kernel serving heads_per_cta heads: 16 per warp on the
-    tensor-core tile (4-8 heads over rows of whole 128-byte lines up to hd 256, without in-kernel
-    position encoding, which rotates K cells on the CUDA-core tile), else 8 KB of K per tile."""
+    tensor-core tile, else 8 KB of K per tile (counting the ring row's padding lanes).
+
+    The tensor-core tile takes 4-8 heads over ring rows of whole 128-byte lines: 16-bit hd 64 to 128
+    (hd 80, 96 and 112 in 128-column rows whose padding its MMAs skip: on the CUDA-core tile those
+    padding lanes issue as much as real ones, which left these dims issue-bound), fp8 hd 128 and
+    256 (a padded fp8 row keeps the CUDA-core tile); not with an in-kernel position encoding, which
+    rotates K cells on the CUDA-core tile. 16-bit rows past 128 columns keep the CUDA-core tile: a
+    64-token ring of 256-column rows (192 KB) leaves one CTA per SM."""
     kv_bytes = spec.dtype_kv.bytes
     vec = 16 // kv_bytes  # KV elements per 16-byte load
     cells = spec.head_dim_qk // vec
@@ -26,7 +32,8 @@ def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
     while lanes < cells // cells_per_lane:
         lanes *= 2
     row_dim = lanes * cells_per_lane * vec
-    mma = (heads_per_cta >= 4 and row_dim == spec.head_dim_qk and lanes % 8 == 0 and cells_per_lane == 1
+    padded = row_dim != spec.head_dim_qk
+    mma = (heads_per_cta >= 4 and (not padded or kv_bytes == 2) and lanes % 8 == 0 and cells_per_lane == 1
            and (spec.head_dim_qk <= 128 or (kv_bytes == 1 and spec.head_dim_qk <= 256))
            and spec.pos_encoding is PosEncoding.NONE)
     return 16 * DECODE_WARPS if mma else 8192 // (row_dim * kv_bytes)

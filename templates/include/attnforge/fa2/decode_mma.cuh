@@ -1,5 +1,5 @@
 // Role: the FA2 decode kernel's tensor-core tile (DecodeTraits::kMmaTile): rows of whole 128-byte
-//   lines (16-bit hd 64 and 128, fp8 hd 128 and 256) read for 4 to 8 query heads, where the
+//   lines (16-bit hd 64 to 128, fp8 hd 128 and 256) read for 4 to 8 query heads, where the
 //   CUDA-core tile (decode_simt.cuh) is issue-bound: it multiplies each K/V element once per head,
 //   and converts an fp8 one once per head group. Here a warp takes 16 rows of a 64-token tile as
 //   its own token lane (its own online softmax, merged after the kv loop like the CUDA-core tile's
@@ -13,7 +13,9 @@
 //   accuracy (bf16 P alone moved o by more than an ulp between split and unsplit runs).
 //
 // Contract (fragment layouts of common/mma.cuh; lane = (g, t) = (lane / 4, lane % 4)):
-//   - the ring holds rows of whole 128-byte lines placed by common::Swizzle128 (ring_element);
+//   - the ring holds rows of whole 128-byte lines placed by common::Swizzle128 (ring_element); a
+//     16-bit row may be padded (hd 80, 96, 112 in 128 columns): only its hd / 16 real chunks
+//     (kMmaChunks) are read, of K, V and q, and written to the lane states;
 //   - 16-bit: K by ldmatrix and V^T by ldmatrix.trans, in natural order;
 //   - fp8, K: lane (g, t) reads dims [hd/4 t, hd/4 (t + 1)) of rows g and g + 8, so k index 2t + {0, 1}
 //     (+8) of k-step c is dim hd/4 t + 4c + {0, 1} ({2, 3}); q's B fragments follow the same order
@@ -86,19 +88,19 @@ __device__ __forceinline__ void load_query_mma(const typename T::Params& p, int 
       q.b[c][0] = q_row ? *reinterpret_cast<const uint32_t*>(q_row + 16 * c + 2 * t) : 0u;
       q.b[c][1] = q_row ? *reinterpret_cast<const uint32_t*>(q_row + 16 * c + 2 * t + 8) : 0u;
     }
-    return;
-  }
-  float qf[kDims] = {};
-  if (q_row) common::load_float(q_row + kDims * t, qf);
-  float max_abs = 0.f;
+  } else {  // an fp8 row is never padded (kMmaTile): hd / 4 is whole 16-byte vectors of q
+    float qf[kDims] = {};
+    if (q_row) common::load_float(q_row + kDims * t, qf);
+    float max_abs = 0.f;
 #pragma unroll
-  for (int e = 0; e < kDims; ++e) max_abs = fmaxf(max_abs, fabsf(qf[e]));
-  const float scale = common::pow2_scale_within(kMmaQueryBound, common::lane_group_max<32>(max_abs));
-  q.unscale = p.score_scale / scale;
+    for (int e = 0; e < kDims; ++e) max_abs = fmaxf(max_abs, fabsf(qf[e]));
+    const float scale = common::pow2_scale_within(kMmaQueryBound, common::lane_group_max<32>(max_abs));
+    q.unscale = p.score_scale / scale;
 #pragma unroll
-  for (int c = 0; c < T::kMmaChunks; ++c) {
-    q.b[c][0] = common::pack2<half>(qf[4 * c] * scale, qf[4 * c + 1] * scale);
-    q.b[c][1] = common::pack2<half>(qf[4 * c + 2] * scale, qf[4 * c + 3] * scale);
+    for (int c = 0; c < T::kMmaChunks; ++c) {
+      q.b[c][0] = common::pack2<half>(qf[4 * c] * scale, qf[4 * c + 1] * scale);
+      q.b[c][1] = common::pack2<half>(qf[4 * c + 2] * scale, qf[4 * c + 3] * scale);
+    }
   }
 }
 

@@ -88,26 +88,35 @@ struct DecodeTraits {
   static constexpr int kBdy = kHeadsPerCta / kHeadsPerThread;  // head groups per CTA
   static constexpr int kThreads = 128;
   static constexpr int kBdz = kThreads / (kBdx * kBdy);  // token lanes
-  // Tensor-core tiles (decode_mma.cuh): rows of whole 128-byte lines (16-bit hd 64 and 128, fp8
-  // hd 128 and 256) read for 4-8 heads, in 64-token tiles, 16 rows per warp. The CUDA-core tile
+  // Tensor-core tiles (decode_mma.cuh): ring rows of whole 128-byte lines (16-bit hd 64 to 128,
+  // fp8 hd 128 and 256) read for 4-8 heads, in 64-token tiles, 16 rows per warp. The CUDA-core tile
   // spends an FMA per head on each element (and an fp8 cache a conversion per head group), so it
   // is issue-bound at 4 and 8 heads (fp8 at 4 heads: 695 SASS instructions per tile and warp
   // against 316 here), which the MMAs remove. fp8 hd 64 (64-byte rows) keeps the CUDA-core tile,
-  // and so does 16-bit hd 256, whose 64-token ring (192 KB) would leave one CTA per SM.
+  // and so does 16-bit hd > 128, whose 64-token ring (192 KB) would leave one CTA per SM.
   static constexpr int kWarps = kThreads / 32;
-  // Padded rows keep the CUDA-core tile: the MMA tile's chunks read whole rows of the ring. So does
-  // a position encoding: the CUDA-core tile rotates each K cell (RoPE) and biases each finished
-  // score (ALiBi) where it holds them in registers, which the MMA fragments would scatter. So does
-  // hd 512 (any cache): 64 rows of 512 bytes or more per stage would leave the ring 192 KB or more,
-  // past sm80's 163 KB.
-  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && !kPaddedRow && kBdx % 8 == 0 && kCellsPerLane == 1 &&
+  // A padded 16-bit row (hd 80, 96, 112 in a 128-column ring row) takes the MMA tile too: its k-steps
+  // and O^T chunks are the hd / 16 real ones (kMmaChunks), which never touch the padding cells.
+  // On the CUDA-core tile its padding lanes issue every load, conversion and FMA a real lane does,
+  // so such a row costs the instructions of hd 128 for hd / 128 of its bytes: issue-bound (measured
+  // on H200 at 4 heads, batch 64 x kv 4096: hd 80 and 96 in ~215-228 us, where memory alone needs
+  // ~160-190; hd 160 and 192, padded to 256, both ~425 us). A padded fp8 row keeps the CUDA-core
+  // tile: its MMA path splits each lane's K cells by hd / 4 (the whole row).
+  // A position encoding keeps the CUDA-core tile: it rotates each K cell (RoPE) and biases each
+  // finished score (ALiBi) where it holds them in registers, which the MMA fragments would scatter.
+  // So does hd 512 (any cache): 64 rows of 512 bytes or more per stage would leave the ring 192 KB
+  // or more, past sm80's 163 KB.
+  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && (!kPaddedRow || sizeof(DTypeKV) == 2) && kBdx % 8 == 0 &&
+                                   kCellsPerLane == 1 &&
                                    (kHeadDim <= 128 || (sizeof(DTypeKV) == 1 && kHeadDim <= 256)) &&
                                    kPosEncoding == kPosNone;
   static constexpr int kMmaChunks = kHeadDim / 16;
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
   // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM, which
   // beat 4 stages at 3 CTAs per SM. A 16-bit tensor-core tile takes 16 KB (64 rows) and 2 CTAs per
-  // SM: the same bytes in flight.
+  // SM: the same bytes in flight. (Sizes count the ring's padded rows: a padded head dim has
+  // hd / kRowDim of them in flight, 80 KB per SM at hd 80 and 160, still twice the ~33 KB that
+  // 4.3 TB/s x ~1 us of DRAM latency asks of each of 132 SMs.)
   static constexpr int kTileTokens = kMmaTile ? 16 * kWarps : 8192 / (kRowDim * int(sizeof(DTypeKV)));
   static constexpr int kTokensPerLane = kTileTokens / kBdz;
   static constexpr int kStages = 3;
@@ -148,6 +157,7 @@ struct DecodeTraits {
   static_assert(kTileTokens % kBdz == 0, "decode tile: token lanes must split a tile evenly");
   static_assert(kTileTokens <= kThreads && kStages >= 3, "decode ring: a thread per tile row owns its offset");
   static_assert(!kMmaTile || kHeadsPerCta <= 8, "decode mma tile: the CTA's heads are the MMAs' 8 columns");
+  static_assert(!kMmaTile || kHeadDim % 16 == 0, "decode mma tile: the head dim must be whole k-steps of 16 (rule head-dims-multiple-of-16)");
 
   // Per tile a lane group computes kScores = kTokensPerLane x kHeadsPerThread dot products. The
   // reduce-scatter spreads them over kScatterLanes lanes, kScoresPerLane consecutive tokens of one
