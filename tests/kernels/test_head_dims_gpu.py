@@ -109,14 +109,19 @@ def _decode(spec, tensor_cores: bool, backend: str, page_size: int, heads=(8, 2)
     wrapper.run(q, cache, out=out, lse=lse, return_lse=True)
     o_ref, lse_ref = reference.batch_prefill_paged(q.float(), tuple(x.float() for x in cache),
                                                    indptr_of([1] * len(DECODE_KV_LENS)), indptr, ids, last, causal=True)
-    what = f"{'tensor-core' if tensor_cores else 'cuda-core'} decode {backend} {_id(spec)} page {page_size}"
+    what = (f"{'tensor-core' if tensor_cores else 'cuda-core'} decode {backend} {_id(spec)} page {page_size} "
+            f"group {heads[0] // heads[1]}")
     assert_close(out, lse, o_ref, lse_ref, kv_dtype, what)
 
 
+@pytest.mark.parametrize("group", [4, 2])
 @pytest.mark.parametrize("page_size", [16, 5])
 @pytest.mark.parametrize("spec", _specs(Kind.DECODE, Backend.FA2), ids=_id)
-def test_cuda_core_decode(spec, page_size):
-    _decode(spec, tensor_cores=False, backend="fa2", page_size=page_size)
+def test_cuda_core_decode(spec, page_size, group):
+    """The fa2 decode kernel: at group 4, 16-bit hd 80-112 run its tensor-core tile on rows padded to
+    128 columns (kv_tiles.decode_tile), the other padded dims its CUDA-core tile; group 2 runs the
+    CUDA-core tile at every dim."""
+    _decode(spec, tensor_cores=False, backend="fa2", page_size=page_size, heads=(2 * group, 2))
 
 
 @pytest.mark.parametrize("spec", [s for s in _specs(Kind.PREFILL, Backend.FA2) if s.head_dim_qk == s.head_dim_vo], ids=_id)
