@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +22,47 @@ NO_FLASHINFER = "not run (--no-flashinfer)"
 # The head dims the peer is timed at: those FlashInfer ships prebuilt kernels for. At another dim its
 # first call would JIT-compile a module per path (a minute or more each), so those cells are n/a.
 HEAD_DIMS = (64, 128, 256)
+
+
+class PeerModule(NamedTuple):
+    """One FlashInfer JIT module: `kind` picks its generator ("decode": CUDA-core batch decode, "fa2": the
+    fa2 prefill module, which also serves its tensor-core decode, "fa3"); dtypes by torch name."""
+
+    kind: str
+    dtype_q: str
+    dtype_kv: str
+    head_dim: int
+
+
+def timed_modules(fp8_head_dims) -> list[PeerModule]:
+    """Every FlashInfer module the decode, prefill and fp8 benchmarks (and the peer test) call with
+    their defaults: bf16 on each path at HEAD_DIMS; the fp8 paths (e4m3 q/k/v on fa3, an e4m3 cache
+    under a bf16 query on fa2) at fp8_head_dims, and fp8-KV CUDA-core decode at hd 128 (the fp8
+    benchmark's decode table). Outputs are bf16 throughout."""
+    bf16 = [PeerModule(kind, "bfloat16", "bfloat16", dim) for dim in HEAD_DIMS for kind in ("decode", "fa2", "fa3")]
+    fp8 = [PeerModule("decode", "bfloat16", "float8_e4m3fn", 128)]
+    fp8 += [m for dim in fp8_head_dims for m in (PeerModule("fa2", "bfloat16", "float8_e4m3fn", dim),
+                                                    PeerModule("fa3", "float8_e4m3fn", "float8_e4m3fn", dim))]
+    return bf16 + fp8
+
+
+def prebuild(modules: list[PeerModule]) -> None:
+    """Builds the modules in one parallel ninja run of FlashInfer's JIT, into its cache: a first call
+    then loads its module instead of compiling it alone (15-90 s each, one after another)."""
+    from flashinfer.jit.attention import modules as jit
+    from flashinfer.jit.core import build_jit_specs
+
+    specs = []
+    for m in modules:
+        dtypes = (getattr(torch, m.dtype_q), getattr(torch, m.dtype_kv), torch.bfloat16, torch.int32)
+        tail = (m.head_dim, m.head_dim, 0, False, False)  # head dims qk/vo, no RoPE, no window, no soft cap
+        if m.kind == "decode":
+            specs.append(jit.gen_batch_decode_module(*dtypes, *tail))
+        elif m.kind == "fa2":  # what its fa2 wrappers load (the module's private name in 0.7.4)
+            specs.append(jit._gen_batch_prefill_primary_module("fa2", *dtypes, *tail, False))
+        else:
+            specs.append(jit.gen_batch_prefill_module("fa3", *dtypes, *tail, False))
+    build_jit_specs(specs, verbose=False)
 
 
 def skip_note(head_dim: int) -> str:
@@ -122,3 +164,26 @@ class Peer:
             self.failed[key] = reason(exc)
         notes.append(f"FlashInfer {key} n/a: {self.failed[key]}")
         return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnforge.benchmarks._peers", description=(
+        "Build every FlashInfer module the benchmarks time, in one parallel run (FLASHINFER_WORKSPACE_BASE "
+        "names its cache)."))
+    parser.add_argument("command", choices=["prebuild"])
+    parser.parse_args(argv)
+    library, note = flashinfer_or_reason()
+    if library is None:
+        print(note, file=sys.stderr)
+        return 1
+    from . import fp8
+
+    modules = timed_modules(fp8.DEFAULT_HEAD_DIMS)
+    started = time.perf_counter()
+    prebuild(modules)
+    print(f"FlashInfer: built {len(modules)} modules in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -171,3 +171,42 @@ def test_the_peer_runs_at_its_prebuilt_head_dims_only():
     assert [d for d in (64, 80, 128, 192, 256, 512) if not _peers.skip_note(d)] == [64, 128, 256]
     assert _peers.skip_note(80) == "FlashInfer not run at hd 80 (timed at hd 64, 128, 256 only)"
     assert _peers.Peer(None, "absent").config()["head_dims"] == [64, 128, 256]
+
+
+def test_prebuild_builds_each_timed_module_in_one_call(monkeypatch):
+    """prebuild() hands every module to one build_jit_specs call, each through the generator its
+    wrappers load: CUDA-core decode, the fa2 prefill module (also its tensor-core decode), fa3."""
+    made, builds = [], []
+    jit = types.ModuleType("flashinfer.jit.attention.modules")
+    generators = {"decode": "gen_batch_decode_module", "fa2": "_gen_batch_prefill_primary_module",
+                  "fa3": "gen_batch_prefill_module"}
+    for name in generators.values():
+        setattr(jit, name, lambda *a, name=name: made.append((name, *a)) or len(made))
+    core = types.ModuleType("flashinfer.jit.core")
+    core.build_jit_specs = lambda specs, verbose: builds.append(list(specs))
+    attention = types.ModuleType("flashinfer.jit.attention")
+    attention.modules = jit
+    for name, module in {"flashinfer": types.ModuleType("flashinfer"), "flashinfer.jit": types.ModuleType("flashinfer.jit"),
+                         "flashinfer.jit.attention": attention, "flashinfer.jit.attention.modules": jit,
+                         "flashinfer.jit.core": core}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    modules = _peers.timed_modules(fp8.DEFAULT_HEAD_DIMS)
+    _peers.prebuild(modules)
+    assert builds == [list(range(1, len(modules) + 1))]
+    for m, call in zip(modules, made):
+        dtypes = (getattr(torch, m.dtype_q), getattr(torch, m.dtype_kv), torch.bfloat16, torch.int32)
+        backend = () if m.kind == "decode" else (m.kind,)
+        fp16_qk_reduction = () if m.kind == "decode" else (False,)
+        assert call == (generators[m.kind], *backend, *dtypes, m.head_dim, m.head_dim, 0, False, False,
+                        *fp16_qk_reduction)
+
+
+def test_timed_modules_cover_every_head_dim_and_path():
+    modules = _peers.timed_modules(fp8.DEFAULT_HEAD_DIMS)
+    assert len(set(modules)) == len(modules)
+    for dim in _peers.HEAD_DIMS:
+        for kind in ("decode", "fa2", "fa3"):
+            assert _peers.PeerModule(kind, "bfloat16", "bfloat16", dim) in modules
+    for dim in fp8.DEFAULT_HEAD_DIMS:
+        assert _peers.PeerModule("fa3", "float8_e4m3fn", "float8_e4m3fn", dim) in modules
+        assert _peers.PeerModule("fa2", "bfloat16", "float8_e4m3fn", dim) in modules
