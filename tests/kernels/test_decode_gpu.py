@@ -423,7 +423,8 @@ def test_garbage_outside_the_kv_is_ignored(case):
 
 
 @gpu_settings(max_examples=30)
-@given(cases(modules=MODULES + FP8_MODULES, max_batch=32, max_tokens=500_000, allow_empty=False), st.integers(2, 16))
+@given(cases(modules=MODULES + FP8_MODULES, max_batch=32, max_tokens=500_000, allow_empty=False),
+       st.one_of(st.integers(2, 16), st.integers(17, 48)))  # past 8: the merge folds its slots 8 per round
 def test_split_kv_forced_on_equals_off(case, target_chunks):
     # v_scale multiplies o after the kernel, a second rounding the one-ulp tolerance below does not cover
     case = replace(case, v_scale=None)

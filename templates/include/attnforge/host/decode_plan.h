@@ -8,7 +8,7 @@
 //                 else fixed_split_tokens if set; else the smallest chunk >= min_chunk_tokens
 //                 whose work-item count times ctas_per_request fits max_ctas (binary search),
 //                 rounded up to a multiple of chunk_align_tokens (the kernel's kv tile) unless
-//                 that passes the longest range (split_kv.h).
+//                 that passes the longest range or keeps < 7/8 of the items (split_kv.h).
 //   Every request gets >= 1 work item (an empty one writes o = 0, lse = -inf). Requests cut into
 //   several chunks get consecutive fp32 partial slots; whole requests write o directly (-1).
 //   Work items are ordered longest first (stable), so long tails start early.
