@@ -154,11 +154,11 @@ __device__ __forceinline__ float prepare_q_for_fp8_kv(typename T::Tiles& tiles) 
 }
 
 // s = Q . K^T for this warp's rows and kv columns (raw dot products, fp32).
-// The k loop runs over the four pair quarters j % 4 of a 128-byte line, rolled (unrolled, ptxas
-// hoists every step's ldmatrix ahead and runs out of registers), each iteration over the lines of
-// the head dim: K steps j = 4 line + quarter in an order a dot product does not depend on. Per
-// iteration that is one XOR per operand for the addresses, immediates for the rest, and at head dim
-// >= 128 two or more independent steps whose loads ptxas issues ahead of the other's MMAs.
+// K steps run as j = 4 line + quarter, quarter-major (a dot product does not depend on the order):
+// each quarter's addresses are one XOR per operand, the lines and row blocks immediates. Fully
+// unrolled: the first MMAs add to constant zeros, and ptxas overlaps a step's ldmatrix with the
+// MMAs before it. (With the addresses as row * cells + (cell ^ x) per step, ptxas hoisted every
+// step's address and ran out of registers; unrolled by two over quarters it spills more.)
 template <typename T>
 __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, const typename T::DTypeKScores* k,
                                                int warp_q, int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
@@ -179,32 +179,30 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, co
       for (int e = 0; e < 8; ++e) s[mq][mk][e] = 0.f;
     }
   }
-#pragma unroll 1
+#pragma unroll
   for (int quarter = 0; quarter < 4; ++quarter) {
 #pragma unroll
     for (int line = 0; line < kLines; ++line) {
-      if (line < kSteps / 4 || 4 * line + quarter < kSteps) {
-        uint32_t a[T::kMmaQ][kChunks][4];
+      if (4 * line + quarter >= kSteps) continue;
+      uint32_t a[T::kMmaQ][kChunks][4];
 #pragma unroll
-        for (int mq = 0; mq < T::kMmaQ; ++mq) {
+      for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
-            // Q's pair kChunks * (4 line + quarter) + c
-            const int qq = kChunks * quarter + c;
-            common::ldmatrix_x4(a[mq][c], q_base + qr.at(mq, kChunks * line + qq / 4, qq % 4));
-          }
+        for (int c = 0; c < kChunks; ++c) {
+          const int pair = kChunks * quarter + c;  // Q's pair is kChunks * 4 line + pair
+          common::ldmatrix_x4(a[mq][c], q_base + qr.at(mq, kChunks * line + pair / 4, pair % 4));
         }
+      }
 #pragma unroll
-        for (int mk = 0; mk < T::kMmaKV; ++mk) {
-          uint32_t b[kChunks][4];
-          load_k_fragments<T>(k_base + kr.at(mk, line, quarter), b);
+      for (int mk = 0; mk < T::kMmaKV; ++mk) {
+        uint32_t b[kChunks][4];
+        load_k_fragments<T>(k_base + kr.at(mk, line, quarter), b);
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
+        for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
-            for (int mq = 0; mq < T::kMmaQ; ++mq) {
-              common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][0]), a[mq][c], b[c][0], b[c][1]);
-              common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][4]), a[mq][c], b[c][2], b[c][3]);
-            }
+          for (int mq = 0; mq < T::kMmaQ; ++mq) {
+            common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][0]), a[mq][c], b[c][0], b[c][1]);
+            common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][4]), a[mq][c], b[c][2], b[c][3]);
           }
         }
       }
