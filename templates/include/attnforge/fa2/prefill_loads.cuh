@@ -27,10 +27,11 @@
 
 namespace attnforge::fa2 {
 
-// Paged KV: each thread writes the global offsets (past the head) of tile rows threadIdx.x +
+// Paged KV: each thread writes the global byte offsets (past the head) of tile rows threadIdx.x +
 // i * kThreads into the tile's table in shared memory, 0 past `end` (the copies zero-fill those
 // rows but still need an address), so each page id is read once per tile, not once per 16-byte copy
-// of K and again of V. A bad page id reads page 0 and raises `bad_page`.
+// of K and again of V. Bytes, not elements: a copy's address is then one 64-bit add. A bad page id
+// reads page 0 and raises `bad_page`.
 template <typename T>
 __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T::Params& p, const int32_t* page_ids,
                                                 const common::FastDivmod& page_size, int first, int end,
@@ -46,7 +47,8 @@ __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T
       const int page = __ldg(page_ids + page_index);
       const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
       bad_page |= !ok;
-      offset = (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
+      offset = ((ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token) *
+               int64_t(sizeof(typename T::DTypeKV));
     }
     table[row] = offset;
   }
@@ -91,7 +93,7 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
     const bool valid = i * kRowsPerPass < rows_left;
     const typename T::DTypeKV* row_src;
     if constexpr (T::kPagedKV) {
-      row_src = src + offsets[i];
+      row_src = reinterpret_cast<const typename T::DTypeKV*>(reinterpret_cast<const char*>(src) + offsets[i]);
     } else {
       row_src = valid ? src : head_base;
       src += step;

@@ -145,7 +145,7 @@ struct PrefillTraits {
     alignas(16) DTypeMma q[kCtaTileQ * kRowCellsQ * 8];
     alignas(16) DTypeKV k[kTileKV * kRowCellsQK * kKVPerCell];
     alignas(16) DTypeKV v[kTileKV * kRowCellsVO * kKVPerCell];
-    int64_t kv_offsets[2][kTileKV];  // global row offsets of the current and the next KV tile
+    int64_t kv_offsets[2][kTileKV];  // global row offsets (bytes) of the current and the next KV tile
     // fp8 cache, bf16 q: the bits of the CTA's largest |q| (none for a 16-bit cache: its 16 bytes with
     // padding would keep two hd 512 16-row CTAs off one sm90 SM)
     unsigned q_abs_max[kFp8KV ? 1 : 0];
