@@ -62,7 +62,8 @@ __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T
 // Each thread keeps one cell column and walks the rows kRowsPerPass apart, so a copy costs a pointer
 // step and a compare: recomputing (row, cell) and a 64-bit row offset per copy made the tile loads
 // the largest instruction stream of the loop. With kRowsPerPass % 8 == 0 (head dims 64, 128) the
-// swizzled cell is the same for all of a thread's rows. Head dim 192 leaves kThreads % kCells
+// swizzled cell is the same for all of a thread's rows, and their shared addresses immediate
+// offsets from the first. Head dim 192 leaves kThreads % kCells
 // threads idle.
 template <typename T, int kCells>
 __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typename T::DTypeKV* head_base,
@@ -72,6 +73,9 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
   constexpr int kPasses = (T::kTileKV + kRowsPerPass - 1) / kRowsPerPass;
   const int row0 = threadIdx.x / kCells, cell = threadIdx.x % kCells;
   if (T::kThreads % kCells != 0 && row0 >= kRowsPerPass) return;
+  using Swizzle = common::Swizzle128<common::swizzle_row_cells(kCells)>;
+  const uint32_t dst_tile = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  const uint32_t dst0 = dst_tile + 16u * Swizzle::cell(row0, cell);
   const typename T::DTypeKV* src = head_base + cell * T::kKVPerCell;
   if constexpr (!T::kPagedKV) src += int64_t(kv_token_base + first + row0) * token_stride;
   const int64_t step = kRowsPerPass * token_stride;
@@ -98,8 +102,10 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
       row_src = valid ? src : head_base;
       src += step;
     }
-    common::cp_async_16(dst + common::Swizzle128<common::swizzle_row_cells(kCells)>::cell(row, cell) * T::kKVPerCell,
-                        row_src, valid);
+    // kRowsPerPass % 8 == 0: the rows share their swizzled cell, so a row is an immediate offset.
+    const uint32_t dst_row = kRowsPerPass % 8 == 0 ? dst0 + 16u * Swizzle::kCellsPerRow * (row - row0)
+                                                   : dst_tile + 16u * Swizzle::cell(row, cell);
+    common::cp_async_16(dst_row, row_src, valid);
   }
 }
 
