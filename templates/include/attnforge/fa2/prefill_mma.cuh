@@ -14,9 +14,10 @@
 //     prefill_loads.cuh's rope_k_tile) in natural order, and q keeps its natural order too; V is
 //     read as above.
 //   - compute_scores returns raw fp32 dot products; accumulate_pv takes base-2 probabilities in the
-//     score fragment.
+//     score fragment and o's per-row rescale factors (softmax_update's alpha).
 //
-// Must not: scale, mask or exponentiate scores, or touch global memory.
+// Must not: scale, mask or exponentiate scores (o's rescale is the only scaling here), or touch
+// global memory.
 #pragma once
 
 #include <cfloat>
@@ -210,11 +211,13 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, co
   }
 }
 
-// o += P . V for this warp's rows. P arrives as base-2 probabilities in the score fragment; C
-// fragment pairs (e, e + 1) are exactly the A fragment registers of the P.V mma.
+// o = alpha o + P . V for this warp's rows (alpha: softmax_update's rescale of each row, applied to
+// an o chunk right before its first MMA). P arrives as base-2 probabilities in the score fragment;
+// C fragment pairs (e, e + 1) are exactly the A fragment registers of the P.V mma.
 template <typename T>
 __device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int warp_kv,
-                                              const float (&s)[T::kMmaQ][T::kMmaKV][8], PrefillState<T>& st) {
+                                              const float (&s)[T::kMmaQ][T::kMmaKV][8], const float (&alpha)[T::kMmaQ][2],
+                                              PrefillState<T>& st) {
   using DType = typename T::DTypeMma;
   constexpr int kChunks = T::kChunksPerLoadVO;
   const int lane = threadIdx.x % 32;
@@ -238,6 +241,10 @@ __device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int 
 #pragma unroll
         for (int mq = 0; mq < T::kMmaQ; ++mq) {
           float(&o_mq)[8] = st.o[mq][step * kChunks + c];
+          if (mk == 0) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o_mq[e] *= alpha[mq][frag_row_half(e)];
+          }
           common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[0]), a[mq], b[c][0], b[c][1]);
           common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[4]), a[mq], b[c][2], b[c][3]);
         }
