@@ -156,10 +156,11 @@ __device__ __forceinline__ float prepare_q_for_fp8_kv(typename T::Tiles& tiles) 
 
 // s = Q . K^T for this warp's rows and kv columns (raw dot products, fp32).
 // K steps run as j = 4 line + quarter, quarter-major (a dot product does not depend on the order):
-// each quarter's addresses are one XOR per operand, the lines and row blocks immediates. Fully
-// unrolled: the first MMAs add to constant zeros, and ptxas overlaps a step's ldmatrix with the
-// MMAs before it. (With the addresses as row * cells + (cell ^ x) per step, ptxas hoisted every
-// step's address and ran out of registers; unrolled by two over quarters it spills more.)
+// each quarter's addresses are one XOR per operand, the lines and row blocks immediates. Unrolled
+// over quarters as T::kUnrollQuartersQK says: fully, the first MMAs add to constant zeros and ptxas
+// overlaps a step's ldmatrix with the MMAs before it. (With the addresses as row * cells +
+// (cell ^ x) per step, full unrolling hoisted every step's address and ran out of registers;
+// unrolled by two over quarters it spills more.)
 template <typename T>
 __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, const typename T::DTypeKScores* k,
                                                int warp_q, int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
@@ -180,11 +181,11 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, co
       for (int e = 0; e < 8; ++e) s[mq][mk][e] = 0.f;
     }
   }
-#pragma unroll
+#pragma unroll(T::kUnrollQuartersQK)
   for (int quarter = 0; quarter < 4; ++quarter) {
 #pragma unroll
     for (int line = 0; line < kLines; ++line) {
-      if (4 * line + quarter >= kSteps) continue;
+      if (line >= kSteps / 4 && 4 * line + quarter >= kSteps) continue;
       uint32_t a[T::kMmaQ][kChunks][4];
 #pragma unroll
       for (int mq = 0; mq < T::kMmaQ; ++mq) {
