@@ -192,16 +192,16 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   // lane 0 keeps its own in `st`; token lane 0's threads then merge the others into st.
   SoftmaxState<T::kLaneDim> st[H];
   constexpr int kFirstMergedLane = T::kMmaTile ? 0 : 1;
-  constexpr int kNumLanes = T::kMmaTile ? T::kWarps : T::kBdz;
+  constexpr int kNumLanes = T::kMmaTile ? T::kMmaRowBlocks : T::kBdz;
   if constexpr (T::kMmaTile) {
     const int warp = tid / 32, lane = tid % 32;
-    MmaQuery<T::kMmaChunks> q;
-    load_query_mma<T>(p, request, kv_head, cta_slot, lane, q);
-    MmaState<T::kMmaChunks> lane_state;
+    MmaQuery<T::kMmaWarpChunks> q;
+    load_query_mma<T>(p, request, kv_head, cta_slot, warp, lane, q);
+    MmaState<T::kMmaWarpChunks> lane_state;
     run_tiles([&](int stage, int valid_rows) {
       decode_tile_mma<T>(reinterpret_cast<const uint8_t*>(smem.ring.k[stage]),
                          reinterpret_cast<const uint8_t*>(smem.ring.v[stage]), q, valid_rows, p.post_scale,
-                         smem.mma_probs[warp], warp, lane, lane_state);
+                         smem.mma_probs[warp], smem.mma_scores, warp, lane, lane_state);
     });
     __syncthreads();  // every warp is done reading the ring the lane states overwrite
     share_mma_state<T>(lane_state, smem.lanes, warp, lane);
