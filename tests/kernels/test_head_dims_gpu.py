@@ -25,7 +25,9 @@ import attnforge
 from attnforge import page, reference
 from attnforge import prefill_plan_steps as plan_steps
 from attnforge.codegen import manifest
+from attnforge.codegen.kv_tiles import decode_tile
 from attnforge.codegen.spec import Backend, Kind
+from attnforge.planner import heads_per_cta
 
 pytestmark = pytest.mark.gpu
 
@@ -114,13 +116,16 @@ def _decode(spec, tensor_cores: bool, backend: str, page_size: int, heads=(8, 2)
     assert_close(out, lse, o_ref, lse_ref, kv_dtype, what)
 
 
-@pytest.mark.parametrize("group", [4, 2])
+@pytest.mark.parametrize("group", [8, 4, 2])
 @pytest.mark.parametrize("page_size", [16, 5])
 @pytest.mark.parametrize("spec", _specs(Kind.DECODE, Backend.FA2), ids=_id)
 def test_cuda_core_decode(spec, page_size, group):
-    """The fa2 decode kernel: at group 4, 16-bit hd 80-112 run its tensor-core tile on rows padded to
-    128 columns (kv_tiles.decode_tile), the other padded dims its CUDA-core tile; group 2 runs the
-    CUDA-core tile at every dim."""
+    """The fa2 decode kernel: at groups 4 and 8, 16-bit padded dims run its tensor-core tile
+    (kv_tiles.decode_tile): hd 80-112 on 128-column rows in 64-token tiles, hd 160-224 on 256-column
+    rows in 32-token tiles of warp pairs; fp8 padded rows and hd 512 its CUDA-core tile; group 2
+    runs the CUDA-core tile at every dim."""
+    tile = decode_tile(spec, heads_per_cta(group)[0])
+    assert tile.mma == (group >= 4 and spec.dtype_kv.bytes == 2 and spec.head_dim_qk < 256), tile
     _decode(spec, tensor_cores=False, backend="fa2", page_size=page_size, heads=(2 * group, 2))
 
 
