@@ -8,8 +8,11 @@
 
 namespace attnforge::common {
 
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+// The id is an immediate: with an id in a register ptxas reserves all 16 of the CTA's barriers.
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0, "named barrier: ids 1-15, whole warps");
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
 }  // namespace attnforge::common

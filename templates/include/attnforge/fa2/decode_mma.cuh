@@ -214,8 +214,13 @@ __device__ __forceinline__ void decode_tile_mma(const uint8_t* k_tile, const uin
     // The pair's two halves of each dot product, added in the same order by both warps (a + b is
     // b + a), so both run the same softmax. The slot written here was read before the kv loop's
     // __syncthreads that precedes this tile.
+    static_assert(T::kMmaSplit == 2 && T::kMmaRowBlocks == 2, "decode mma tile: two warp pairs, barriers 1 and 2");
     partial_scores[warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
-    common::named_barrier_sync(1 + block, 32 * T::kMmaSplit);
+    if (block == 0) {
+      common::named_barrier_sync<1, 64>();
+    } else {
+      common::named_barrier_sync<2, 64>();
+    }
     const float4 other = partial_scores[warp ^ 1][lane];
     s[0] += other.x;
     s[1] += other.y;
