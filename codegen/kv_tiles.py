@@ -21,8 +21,8 @@ DECODE_WARPS = DECODE_THREADS // 32
 # much (~1.2x that) of real KV bytes, padding not counted, in flight per SM.
 DECODE_MIN_BYTES_IN_FLIGHT_PER_SM = 40 * 1024
 # Shared memory per SM on sm90 (228 KB, 227 KB for one CTA), 1 KB of it reserved per CTA, and an upper
-# bound on what the decode CTA keeps beside its ring (lane-group rows, the MMA tile's P buffers,
-# the row offsets: at most ~4.2 KB in the built variants).
+# bound on what the decode CTA keeps beside its ring (lane-group rows, the MMA tile's P buffers and
+# warp pairs' partial scores, the row offsets: at most ~5.6 KB, the warp-pair tile at 8 heads).
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_CTA_MAX = 227 * 1024
 SMEM_RESERVED_PER_CTA = 1024
