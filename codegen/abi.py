@@ -55,6 +55,7 @@ PLAN_OFFSETS = (
     ("off_work_partial", "int32_t", "plan image offset of the work items' partial slot (-1: write o)"),
     ("off_partial_indptr", "int32_t", "plan image offset of the per-request partial slot ranges"),
     ("off_kv_len", "int32_t", "plan image offset of kv_len[batch] (the query of request r sits at kv_len[r] - 1)"),
+    ("off_merge_counters", "int32_t", "plan image offset of the fused merge's arrival counters [batch, num_kv_heads, num_head_tiles], 0 between runs"),
 )
 
 DECODE_PARAMS = _struct(
@@ -87,7 +88,6 @@ DECODE_PARAMS = _struct(
     ("num_pages", "int32_t", "pages in the cache; a page id outside [0, num_pages) is flagged"),
     ("work_capacity", "int32_t", "grid size in work items (static under CUDA graphs)"),
     *PLAN_OFFSETS,
-    ("run_merge", "int32_t", "1 when some request is split and the merge kernel must run"),
     ("device", "int32_t", "CUDA device that holds the tensors"),
     ("debug_sync", "int32_t", "1: synchronize and check after every kernel"),
     ("enable_pdl", "int32_t", "1: programmatic dependent launch (sm90+): a kernel may start as the one before it ends"),

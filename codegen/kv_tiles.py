@@ -7,6 +7,8 @@ the value it was rendered with, so a change on one side that the other misses fa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .fa3_units import fa3_kv_tile
 from .spec import Backend, KernelSpec, PosEncoding
 
@@ -14,10 +16,73 @@ DECODE_THREADS = 128
 DECODE_WARPS = DECODE_THREADS // 32
 
 
-def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
-    """Tokens per tile of the decode kernel serving heads_per_cta heads: 16 per warp on the
-    tensor-core tile (4-8 heads over rows of whole 128-byte lines up to hd 256, without in-kernel
-    position encoding, which rotates K cells on the CUDA-core tile), else 8 KB of K per tile."""
+# Little's law for the decode ring: ~4.3 TB/s of copy bandwidth (H200) times ~1 us of DRAM latency
+# under load, over 132 SMs, is ~33 KB of loads in flight per SM; a ring must keep at least this
+# much (~1.2x that) of real KV bytes, padding not counted, in flight per SM.
+DECODE_MIN_BYTES_IN_FLIGHT_PER_SM = 40 * 1024
+# Shared memory per SM on sm90 (228 KB, 227 KB for one CTA), 1 KB of it reserved per CTA, and an upper
+# bound on what the decode CTA keeps beside its ring (lane-group rows, the MMA tile's P buffers and
+# warp pairs' partial scores, the row offsets: at most ~5.6 KB, the warp-pair tile at 8 heads).
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_CTA_MAX = 227 * 1024
+SMEM_RESERVED_PER_CTA = 1024
+DECODE_SMEM_BESIDE_RING = 6 * 1024
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """The decode kernel's tile for one (spec, heads per CTA): fa2/decode_traits.cuh's kTileTokens,
+    kRowDim, kStages, kMmaTile and kMinCtasPerSm (its launch bound), and what follows from them."""
+
+    tokens: int  # rows of a K (and of a V) tile
+    row_dim: int  # elements of a ring row, padding lanes included
+    head_dim: int  # elements of a real row
+    kv_bytes: int  # bytes of a KV element
+    stages: int  # depth of the cp.async ring
+    mma: bool  # the tensor-core tile (decode_mma.cuh), else the CUDA-core tile (decode_simt.cuh)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.stages * 2 * self.tokens * self.row_dim * self.kv_bytes
+
+    @property
+    def min_ctas_per_sm(self) -> int:
+        """The launch bound: 32 KB of K tiles per SM (4 CTAs of 8 KB tiles, 2 of the MMA tile's 16 KB)."""
+        return 8192 * 4 // (self.tokens * self.row_dim * self.kv_bytes)
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """A lower bound on resident CTAs: the launch bound caps registers, shared memory may cap less."""
+        per_cta = self.ring_bytes + DECODE_SMEM_BESIDE_RING + SMEM_RESERVED_PER_CTA
+        return min(self.min_ctas_per_sm, SMEM_PER_SM // per_cta)
+
+    @property
+    def bytes_in_flight_per_sm(self) -> int:
+        """Real K and V bytes a CTA has in flight while it consumes a tile (stages - 1 tiles ahead),
+        times the CTAs per SM."""
+        return self.ctas_per_sm * (self.stages - 1) * 2 * self.tokens * self.head_dim * self.kv_bytes
+
+
+def decode_tile(spec: KernelSpec, heads_per_cta: int) -> DecodeTile:
+    """The decode kernel's tile for heads_per_cta heads: 16 rows per warp (per warp pair for rows
+    of 512 bytes) on the tensor-core tile, else 8 KB of K per tile (counting the ring row's padding
+    lanes); a 3-stage ring either way.
+
+    A row's 16-byte cells span the next power of two of lanes (the lane merges halve lane groups by
+    shuffles), so hd 80, 96 and 112 of a 16-bit cache sit in 128-column ring rows and hd 160, 192
+    and 224 in 256-column rows. The CUDA-core tile's padding lanes issue every load, conversion and
+    FMA of a real lane: such a row costs hd 128's (or 256's) instructions for hd / row_dim of the
+    bytes (hd 160 at 4 heads: 134 SASS warp-instructions per token and CTA, 73% of copy bandwidth
+    on H200). The tensor-core tile takes 4-8 heads over ring rows of whole 128-byte lines, and its
+    MMAs read only the hd / 16 real 16-dim chunks: 16-bit hd 64 to 128 in 64-token tiles (16 rows
+    a warp); 16-bit hd 160, 192 and 224 (256-column rows) in 32-token tiles, a warp pair per 16
+    rows, each warp over half the chunks (~41-44 instructions per token at 4 heads), since 64
+    tokens of 512-byte rows would make the ring 192 KB: one CTA per SM on sm90, none on sm80; fp8
+    hd 128 and 256. Not: a padded fp8 row (the MMA path splits a lane's K cells by hd / 4); an
+    in-kernel position encoding (it rotates K cells on the CUDA-core tile); 16-bit hd 256, whose
+    CUDA-core tile has no padding lanes and reaches 97.6% of copy bandwidth (the pair tile would
+    take 45 instructions per token against 134 and keep sm90's 128 KB in flight per SM, but fit
+    one CTA on sm80: 64 KB in flight there against 96); hd 512 (two cells a lane)."""
     kv_bytes = spec.dtype_kv.bytes
     vec = 16 // kv_bytes  # KV elements per 16-byte load
     cells = spec.head_dim_qk // vec
@@ -26,10 +91,18 @@ def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
     while lanes < cells // cells_per_lane:
         lanes *= 2
     row_dim = lanes * cells_per_lane * vec
-    mma = (heads_per_cta >= 4 and row_dim == spec.head_dim_qk and lanes % 8 == 0 and cells_per_lane == 1
-           and (spec.head_dim_qk <= 128 or (kv_bytes == 1 and spec.head_dim_qk <= 256))
+    padded = row_dim != spec.head_dim_qk
+    mma = (heads_per_cta >= 4 and (not padded or kv_bytes == 2) and lanes % 8 == 0 and cells_per_lane == 1
+           and (spec.head_dim_qk <= 128 or (kv_bytes == 1 and spec.head_dim_qk <= 256) or (kv_bytes == 2 and padded))
            and spec.pos_encoding is PosEncoding.NONE)
-    return 16 * DECODE_WARPS if mma else 8192 // (row_dim * kv_bytes)
+    warps_per_16_rows = 2 if row_dim * kv_bytes > 256 else 1  # DecodeTraits::kMmaSplit
+    tokens = 16 * DECODE_WARPS // warps_per_16_rows if mma else 8192 // (row_dim * kv_bytes)
+    return DecodeTile(tokens=tokens, row_dim=row_dim, head_dim=spec.head_dim_qk, kv_bytes=kv_bytes, stages=3, mma=mma)
+
+
+def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
+    """Keys per tile of the decode kernel serving heads_per_cta heads (decode_tile)."""
+    return decode_tile(spec, heads_per_cta).tokens
 
 
 def prefill_kv_tile(spec: KernelSpec, cta_tile_q: int, paged: bool) -> int:

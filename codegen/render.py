@@ -18,7 +18,7 @@ import jinja2
 
 from . import abi
 from .fa3_units import INSTANCES, Instance, fa3_cta_tile, fa3_extended_wgmma, fa3_instances, fa3_kv_tile, fa3_tile_dim
-from .kv_tiles import decode_kv_tile, prefill_kv_tile, prefill_vo_slices
+from .kv_tiles import decode_tile, prefill_kv_tile, prefill_vo_slices
 from .rules import ensure_valid
 from .sources import source_hash, templates_dir
 from .spec import Backend, KernelSpec, Kind, PosEncoding
@@ -76,7 +76,7 @@ def module_layout(spec: KernelSpec) -> ModuleLayout:
                 ("decode_run", "[ctypes.POINTER(DecodeParams), ctypes.c_void_p]", "ctypes.c_int32"),
             ),
             variants=tuple(Variant(f"decode_h{h}", "decode_variant.cu.jinja",
-                                   (("heads", h), ("kv_tile", decode_kv_tile(spec, h))))
+                                   (("heads", h), ("tile", decode_tile(spec, h))))
                            for h in DECODE_HEADS_PER_CTA),
         )
     return ModuleLayout(

@@ -61,9 +61,9 @@ def _decode_module(backend: str, dtype_q: DType, dtype_kv: DType, dtype_o: DType
 
 
 @functools.cache
-def _layout(batch_size: int, capacity: int) -> tuple[dict[str, int], int]:
+def _layout(batch_size: int, capacity: int, ctas_per_request: int) -> tuple[dict[str, int], int]:
     """(offsets, size) of the plan image; cached, a serving engine replans the same shapes every step."""
-    layout = PlanLayout(batch_size, capacity)
+    layout = PlanLayout(batch_size, capacity, ctas_per_request)
     return layout.offsets(), layout.size
 
 
@@ -75,8 +75,8 @@ def _struct_templates(module: Module, batch_size: int, num_qo_heads: int, num_kv
     """(DecodePlanArgs, DecodeParams) holding every field that depends only on the plan's shapes;
     plan() copies them and stores the per-call pointers and counts (a ctypes constructor with ~20
     keywords costs several µs, a copy and a few stores well under one)."""
-    offsets, image_size = _layout(batch_size, capacity)
     heads, tiles = heads_per_cta(num_qo_heads // num_kv_heads)
+    offsets, image_size = _layout(batch_size, capacity, num_kv_heads * tiles)
     binding = module.binding
     args = binding.DecodePlanArgs(
         batch_size=batch_size, page_size=page_size, ctas_per_request=num_kv_heads * tiles, max_ctas=max_ctas,
@@ -346,7 +346,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             capacity = max(capacity, batch_size + -(-int(indptr[-1]) * page_size // fixed_tokens))
         if self._graph:
             self._graph_batch_size = batch_size
-        image_size = checks.plan_image_size(_layout(batch_size, capacity)[1], capacity)
+        image_size = checks.plan_image_size(_layout(batch_size, capacity, ctas_per_request)[1], capacity)
         image_ptr, device_image_ptr = self._image_buffers(image_size)
 
         binding = module.binding
@@ -378,7 +378,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         params.indices, params.plan = indices.data_ptr(), device_image_ptr
         params.tmp_v, params.tmp_s = workspace_ptr, workspace_ptr + v_bytes
         params.work_capacity = capacity if self._graph else info.num_work
-        params.run_merge = int(self._graph or info.num_partials > 0)
         params.rope_rcp_scale, params.rope_rcp_theta = 1.0 / knobs.rope_scale, 1.0 / knobs.rope_theta
         self._plan = _Plan(
             module=module, params=params, batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,

@@ -15,6 +15,9 @@ from attnforge.codegen.render import DECODE_HEADS_PER_CTA
 # Split-KV never cuts a request into chunks shorter than this: shorter chunks cost more in merge
 # traffic than they win in parallelism.
 MIN_CHUNK_TOKENS = 128
+# Rounding the chunk up to whole kv tiles must keep at least this share of the search's work items
+# (host/split_kv.h, kAlignKeepsItems: whole tiles never shorten a work item, fewer items idle SMs).
+ALIGN_KEEPS_ITEMS = (7, 8)
 # Upper bound of resident CTAs per SM for any decode variant (2048 threads / 128 per CTA); used
 # only to size workspaces before a module is loaded.
 MAX_CTAS_PER_SM_BOUND = 16
@@ -41,24 +44,27 @@ def work_capacity(batch_size: int, max_ctas: int, ctas_per_request: int) -> int:
 class PlanLayout:
     """Offsets (int32 elements) of the arrays in the plan image: the header, indptr[batch+1], four
     work arrays of `capacity` entries (request, begin, end, partial slot), partial_indptr[batch+1],
-    kv_len[batch] (the position encodings place the query at kv_len - 1)."""
+    kv_len[batch] (the position encodings place the query at kv_len - 1), and the fused merge's
+    arrival counters, one per CTA unit of a request: [batch, ctas_per_request], zeroed by plan()."""
 
     batch_size: int
     capacity: int
+    ctas_per_request: int
 
     def offsets(self) -> dict[str, int]:
         out, cursor = {}, len(PLAN_HEADER)
         for name, length in (("indptr", self.batch_size + 1), ("work_request", self.capacity),
                              ("work_begin", self.capacity), ("work_end", self.capacity),
                              ("work_partial", self.capacity), ("partial_indptr", self.batch_size + 1),
-                             ("kv_len", self.batch_size)):
+                             ("kv_len", self.batch_size), ("merge_counters", self.batch_size * self.ctas_per_request)):
             out[f"off_{name}"] = cursor
             cursor += length
         return out
 
     @property
     def size(self) -> int:
-        return len(PLAN_HEADER) + 2 * (self.batch_size + 1) + self.batch_size + 4 * self.capacity
+        return (len(PLAN_HEADER) + 2 * (self.batch_size + 1) + self.batch_size + 4 * self.capacity
+                + self.batch_size * self.ctas_per_request)
 
 
 def partial_bytes(num_partials: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
@@ -85,7 +91,8 @@ def split_chunk_tokens(longest: int, unsplit: bool, fixed_split_tokens: int, min
     """The split-KV chunk both planners use (host/split_kv.h, line for line): the whole longest
     range when unsplit, else the fixed split (as given), else the smallest chunk >= min_chunk_tokens
     whose item count times ctas_per_item fits max_ctas, rounded up to a multiple of align_tokens
-    (the kernel's kv tile) unless that passes the longest range."""
+    (the kernel's kv tile) unless that passes the longest range or keeps fewer than 7/8 of the
+    search's work items (ALIGN_KEEPS_ITEMS)."""
     if unsplit:
         return max(longest, 1)
     if fixed_split_tokens > 0:
@@ -99,7 +106,10 @@ def split_chunk_tokens(longest: int, unsplit: bool, fixed_split_tokens: int, min
             lo = mid + 1
     align = max(align_tokens, 1)  # why the tile and not lcm(page, tile): host/split_kv.h
     aligned = -(-lo // align) * align
-    return aligned if aligned <= longest else lo
+    if aligned > longest:
+        return lo
+    keep_num, keep_den = ALIGN_KEEPS_ITEMS
+    return aligned if items_for(aligned) * keep_den >= items_for(lo) * keep_num else lo
 
 
 def plan_decode_oracle(
@@ -146,7 +156,7 @@ def plan_decode_oracle(
     if num_work > layout.capacity:
         raise PlanError(f"the plan needs {num_work} work items but has room for {layout.capacity}")
 
-    image = [0] * layout.size
+    image = [0] * layout.size  # the merge counters included: 0, as the fused merge leaves them
     off = layout.offsets()
     items = []
     partial_indptr = [0]

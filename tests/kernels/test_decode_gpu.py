@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import attnforge
 from attnforge import reference
+from attnforge.codegen.abi import PLAN_HEADER
 
 pytestmark = pytest.mark.gpu
 
@@ -422,7 +423,8 @@ def test_garbage_outside_the_kv_is_ignored(case):
 
 
 @gpu_settings(max_examples=30)
-@given(cases(modules=MODULES + FP8_MODULES, max_batch=32, max_tokens=500_000, allow_empty=False), st.integers(2, 16))
+@given(cases(modules=MODULES + FP8_MODULES, max_batch=32, max_tokens=500_000, allow_empty=False),
+       st.one_of(st.integers(2, 16), st.integers(17, 48)))  # past 8: the merge folds its slots 8 per round
 def test_split_kv_forced_on_equals_off(case, target_chunks):
     # v_scale multiplies o after the kernel, a second rounding the one-ulp tolerance below does not cover
     case = replace(case, v_scale=None)
@@ -566,6 +568,74 @@ def test_cuda_graph_replays_after_replan(case, data):
         graph.replay()
         torch.cuda.synchronize()
         check_against_reference(c, b, out, lse)
+
+
+# A batch the planner splits (short requests beside long ones, an empty one): split requests merge
+# inside the decode kernel, whose per-(request, kv head, head tile) counters must be back at 0 after
+# every run for the next run or replay to merge again. Group 16 takes two head tiles per kv head.
+SPLIT_LENS = [6000, 37, 2500, 0, 900]
+
+
+def _split_case(group: int) -> Case:
+    return Case(module=MODULES[1], layout="NHD", single_tensor=False, page_size=16, kv_lens=SPLIT_LENS,
+                num_kv_heads=2, group=group, spare_pages=5, seed=11 + group)
+
+
+def _num_partials(wrapper) -> int:
+    return int(wrapper._int_workspace[PLAN_HEADER.index("num_partials")])
+
+
+@pytest.mark.parametrize("fixed_split_size", [None, 16], ids=["planner-split", "fixed-split-16"])
+@pytest.mark.parametrize("group", [1, 5, 16])
+def test_repeated_runs_after_one_plan_merge_every_time(group, fixed_split_size):
+    case = _split_case(group)
+    b = make_batch(case)
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(workspace_for(case, 64 << 20), kv_layout=case.layout)
+    plan(wrapper, case, b, fixed_split_size=fixed_split_size)
+    assert _num_partials(wrapper) > 1, "the batch must be split for the fused merge to run"
+    gen = torch.Generator(device=DEVICE).manual_seed(case.seed)
+    for _ in range(3):
+        b = replace(b, q=torch.randn(b.q.shape, dtype=b.q.dtype, device=DEVICE, generator=gen))
+        o, lse = run_poisoned(wrapper, b)  # NaN-filled out/lse each run
+        torch.cuda.synchronize()
+        check_against_reference(case, b, o, lse)
+
+
+@pytest.mark.parametrize("group", [4, 16])
+def test_cuda_graph_replays_of_a_split_batch_merge_every_time(group):
+    """One plan, one capture, three replays with new q: the fused merge's counters reset themselves
+    inside the graph (no plan() between replays)."""
+    case = _split_case(group)
+    b = make_batch(case)
+    batch = len(case.kv_lens)
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
+        workspace_for(case), kv_layout=case.layout, use_cuda_graph=True,
+        paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+        paged_kv_indices_buffer=torch.empty(b.num_pages, dtype=torch.int32, device=DEVICE),
+        paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device=DEVICE),
+    )
+    plan(wrapper, case, b)
+    assert _num_partials(wrapper) > 1, "the batch must be split for the fused merge to run"
+    q = b.q.clone()  # the graph's static input
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEVICE)
+    side = torch.cuda.Stream()  # warm up off the default stream, as torch.cuda.graph expects
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        wrapper.run(q, b.cache, out=out, lse=lse, return_lse=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, b.cache, out=out, lse=lse, return_lse=True)
+
+    gen = torch.Generator(device=DEVICE).manual_seed(case.seed)
+    for _ in range(3):
+        q.copy_(torch.randn(q.shape, dtype=q.dtype, device=DEVICE, generator=gen))
+        out.fill_(NAN)
+        lse.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_against_reference(case, b, out, lse, q=q)
 
 
 @pytest.mark.parametrize("bad", ["num_pages", "far_out", "negative"])

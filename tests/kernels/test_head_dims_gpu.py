@@ -25,7 +25,9 @@ import attnforge
 from attnforge import page, reference
 from attnforge import prefill_plan_steps as plan_steps
 from attnforge.codegen import manifest
+from attnforge.codegen.kv_tiles import decode_tile
 from attnforge.codegen.spec import Backend, Kind
+from attnforge.planner import heads_per_cta
 
 pytestmark = pytest.mark.gpu
 
@@ -109,14 +111,22 @@ def _decode(spec, tensor_cores: bool, backend: str, page_size: int, heads=(8, 2)
     wrapper.run(q, cache, out=out, lse=lse, return_lse=True)
     o_ref, lse_ref = reference.batch_prefill_paged(q.float(), tuple(x.float() for x in cache),
                                                    indptr_of([1] * len(DECODE_KV_LENS)), indptr, ids, last, causal=True)
-    what = f"{'tensor-core' if tensor_cores else 'cuda-core'} decode {backend} {_id(spec)} page {page_size}"
+    what = (f"{'tensor-core' if tensor_cores else 'cuda-core'} decode {backend} {_id(spec)} page {page_size} "
+            f"group {heads[0] // heads[1]}")
     assert_close(out, lse, o_ref, lse_ref, kv_dtype, what)
 
 
+@pytest.mark.parametrize("group", [8, 4, 2])
 @pytest.mark.parametrize("page_size", [16, 5])
 @pytest.mark.parametrize("spec", _specs(Kind.DECODE, Backend.FA2), ids=_id)
-def test_cuda_core_decode(spec, page_size):
-    _decode(spec, tensor_cores=False, backend="fa2", page_size=page_size)
+def test_cuda_core_decode(spec, page_size, group):
+    """The fa2 decode kernel: at groups 4 and 8, 16-bit padded dims run its tensor-core tile
+    (kv_tiles.decode_tile): hd 80-112 on 128-column rows in 64-token tiles, hd 160-224 on 256-column
+    rows in 32-token tiles of warp pairs; fp8 padded rows and hd 512 its CUDA-core tile; group 2
+    runs the CUDA-core tile at every dim."""
+    tile = decode_tile(spec, heads_per_cta(group)[0])
+    assert tile.mma == (group >= 4 and spec.dtype_kv.bytes == 2 and spec.head_dim_qk < 256), tile
+    _decode(spec, tensor_cores=False, backend="fa2", page_size=page_size, heads=(2 * group, 2))
 
 
 @pytest.mark.parametrize("spec", [s for s in _specs(Kind.PREFILL, Backend.FA2) if s.head_dim_qk == s.head_dim_vo], ids=_id)

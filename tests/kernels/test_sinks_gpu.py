@@ -130,6 +130,24 @@ def test_cuda_core_decode(kv_dtype, window_left, split):
     _assert_matches(out, lse, o_ref, lse_ref, kv_dtype)
 
 
+def test_cuda_core_decode_split_runs_repeat_with_sinks_and_lse():
+    """One plan of a split batch, three runs with new q and sinks: the decode kernel's fused merge
+    joins each run's sinks into o and lse, and leaves its counters ready for the next run."""
+    gen = _gen(17)
+    cache = Cache(gen, DECODE_LENS, 2, 16, torch.bfloat16)
+    wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    wrapper.plan(cache.indptr, cache.ids, cache.last, 8, 2, HEAD_DIM, cache.page_size, q_data_type=torch.bfloat16,
+                 fixed_split_size=8)
+    for _ in range(3):
+        q = torch.randn(len(DECODE_LENS), 8, HEAD_DIM, device=DEVICE, generator=gen).to(torch.bfloat16)
+        sinks = _sinks(gen, 8)
+        out, lse = _poisoned(len(DECODE_LENS), 8, torch.bfloat16)
+        o_ret, lse_ret = wrapper.run(q, cache.pages, out=out, lse=lse, return_lse=True, sinks=sinks)
+        assert o_ret.data_ptr() == out.data_ptr() and lse_ret.data_ptr() == lse.data_ptr()
+        o_ref, lse_ref = cache.reference(q, 1, {}, sinks=sinks)
+        _assert_matches(out, lse, o_ref, lse_ref, torch.bfloat16)
+
+
 GPU_SETTINGS = settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.generate],
                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -47,6 +47,8 @@ DECODES = {
     "cuda-cores": DecodeLaunch(False),
     "cuda-cores-fp8-kv": DecodeLaunch(False, kv_dtype=E4M3),
     "cuda-cores-hd64-page5": DecodeLaunch(False, head_dim=64, page_size=5),
+    "cuda-cores-hd96-mma-tile-page5": DecodeLaunch(False, head_dim=96, page_size=5),  # padded rows, tensor cores
+    "cuda-cores-hd192-warp-pairs": DecodeLaunch(False, head_dim=192),  # 32-token tile, warp pairs per 16 rows
     "tensor-cores-fa2": DecodeLaunch(True),
     "tensor-cores-fa2-fp8-kv": DecodeLaunch(True, kv_dtype=E5M2, q_dtype=torch.float16),
     "tensor-cores-fa3-keys-along-m": DecodeLaunch(True, "fa3"),

@@ -33,8 +33,10 @@ def test_rendered_module_declares_and_mirrors_the_flag(kind):
     params = "DecodeParams" if kind is Kind.DECODE else "PrefillParams"
     assert re.search(rf"struct {params} \{{[^}}]*int32_t enable_pdl;", files["config.cuh"])
     assert '("enable_pdl", ctypes.c_int32)' in files["binding.py"]
-    # the split-KV merge launches with the run's flag too
-    assert "launch_merge_partials<DTypeO, kHeadDimVO>(merge, stream, params->enable_pdl != 0)" in files["entry.cu"]
+    if kind is Kind.PREFILL:  # the split-KV merge launches with the run's flag too
+        assert "launch_merge_partials<DTypeO, kHeadDimVO>(merge, stream, params->enable_pdl != 0)" in files["entry.cu"]
+    else:  # decode merges split requests inside its kernel: one launch per run
+        assert "launch_merge_partials" not in files["entry.cu"]
 
 
 def test_run_extras_accept_enable_pdl():
@@ -94,7 +96,7 @@ def sass(module_cache, sass_of):
 @pytest.mark.parametrize("name", [n for n in SPECS if n.endswith("sm90a")])
 def test_every_sm90_kernel_waits_before_touching_global_memory(sass, name):
     kernels = sass[name]
-    expected = {"decode_kernel", "merge_partials_kernel"} if name.startswith("decode") else \
+    expected = {"decode_kernel"} if name.startswith("decode") else \
         {"prefill_kernel", "merge_partials_kernel"} | ({"gather_pages_kernel"} if name.startswith("fa3") else set())
     assert {k for k in expected if any(k in mangled for mangled in kernels)} == expected
     for mangled, ops in kernels.items():

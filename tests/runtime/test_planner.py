@@ -16,10 +16,12 @@ from attnforge.codegen.dtypes import DType
 from attnforge.codegen.kv_tiles import decode_kv_tile
 from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind, PosEncoding
 from attnforge.planner import (
+    MAX_CTAS_PER_SM_BOUND,
     MIN_CHUNK_TOKENS,
     PlanError,
     PlanLayout,
     heads_per_cta,
+    partial_bytes,
     plan_decode_oracle,
     work_capacity,
 )
@@ -75,7 +77,7 @@ ORACLE_KEYS = ("page_size", "num_indices", "ctas_per_request", "max_ctas", "wind
 
 
 def oracle(b: dict, layout: PlanLayout | None = None):
-    layout = layout or PlanLayout(len(b["last_page_len"]), capacity_for(b))
+    layout = layout or PlanLayout(len(b["last_page_len"]), capacity_for(b), b["ctas_per_request"])
     return plan_decode_oracle(b["indptr"], b["last_page_len"], layout=layout, **{k: b[k] for k in ORACLE_KEYS}), layout
 
 
@@ -141,15 +143,18 @@ def test_oracle_plan_tiles_every_request_once(b):
 
 
 def assert_aligned_and_smallest(chunk: int, align: int, slots: int, items_for, longest: int) -> None:
-    """The automatic chunk (host/split_kv.h): the smallest multiple of `align` >= MIN_CHUNK_TOKENS
-    whose items fit the slots; or, where that multiple passes the longest range, the smallest chunk
-    >= MIN_CHUNK_TOKENS that fits. (Item counts never grow with the chunk, so one step down decides.)"""
+    """The automatic chunk (host/split_kv.h): s, the smallest chunk >= MIN_CHUNK_TOKENS whose items
+    fit the slots (found here by bisection: item counts never grow with the chunk), rounded up to a
+    multiple of `align` where that stays within the longest range and keeps >= 7/8 of s's items;
+    else s itself."""
     assert items_for(chunk) <= slots, "the chunks must stay within the slots"
-    if -(-chunk // align) * align <= longest:
-        assert chunk % align == 0, f"chunk {chunk} is not a multiple of the kv tile {align}"
-        assert chunk - align < MIN_CHUNK_TOKENS or items_for(chunk - align) > slots
-    else:
-        assert chunk == MIN_CHUNK_TOKENS or items_for(chunk - 1) > slots
+    lo, hi = MIN_CHUNK_TOKENS, max(chunk, MIN_CHUNK_TOKENS)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if items_for(mid) <= slots else (mid + 1, hi)
+    aligned = -(-lo // align) * align
+    keep = aligned <= longest and 8 * items_for(aligned) >= 7 * items_for(lo)
+    assert chunk == (aligned if keep else lo), f"chunk {chunk}: expected {aligned if keep else lo} (search: {lo})"
 
 
 def test_batch1_16k_gets_whole_tiles():
@@ -168,6 +173,43 @@ def test_batch1_16k_gets_whole_tiles():
     assert (result.max_chunks, result.chunk_tokens, result.num_work) == (32, 512, 32)
     assert sorted(begin for _, begin, _, _ in work_items(result.image, layout, result.num_work)) == list(
         range(0, 16384, 512))
+
+
+@given(kv_len=st.integers(1, 300_000), page_size=st.sampled_from([1, 16, 64]), ctas_per_sm=st.integers(1, 8),
+       ctas_per_request=st.integers(1, 64), align=st.sampled_from([1, 16, 32, 64, 128]))
+def test_batch1_fills_the_slots(kv_len, page_size, ctas_per_sm, ctas_per_request, align):
+    """Batch 1 splits its kv into enough chunks to occupy >= 3/4 of the slots its length can use
+    (min(slots, ceil(kv / MIN_CHUNK_TOKENS))): the search fills them up to ceil rounding (< 1%
+    once kv passes slots x MIN_CHUNK_TOKENS) and rounding to whole tiles gives up at most 1/8.
+    Its partials fit the workspace decode_workspace_size sizes (132 SMs here)."""
+    max_ctas = 132 * ctas_per_sm
+    indptr, last = _page_table([kv_len], page_size, 0)
+    b = dict(kv_lens=[kv_len], indptr=indptr, last_page_len=last, page_size=page_size, num_indices=indptr[-1],
+             window_left=-1, max_ctas=max_ctas, ctas_per_request=ctas_per_request, fixed_split_tokens=0,
+             disable_split_kv=False, chunk_align_tokens=align)
+    result, _ = oracle(b)
+    slots = max_ctas // ctas_per_request
+    assert result.chunk_tokens >= MIN_CHUNK_TOKENS
+    assert result.num_work == max(1, -(-kv_len // result.chunk_tokens))
+    assert result.num_work * ctas_per_request <= max(max_ctas, ctas_per_request)
+    if ctas_per_request < max_ctas:
+        usable = min(slots, -(-kv_len // MIN_CHUNK_TOKENS))
+        assert 4 * result.num_work >= 3 * usable, f"{result.num_work} items of {usable} usable slots"
+    workspace_items = work_capacity(1, 132 * MAX_CTAS_PER_SM_BOUND, ctas_per_request)
+    assert sum(partial_bytes(result.num_partials, 32, 128)) <= sum(partial_bytes(workspace_items, 32, 128))
+
+
+def test_batch1_just_past_whole_tiles_keeps_its_slots():
+    """1 x 4300 tokens on the tensor-core decode's 128-key tile (33 slots): the search's 131-token
+    chunks give 33 items; whole tiles (256) would give 17, leaving half the SMs idle for no shorter
+    item (both are two tiles deep), so the chunk stays 131. 4 x 1100 likewise keeps 32 items of 138
+    tokens rather than 20 of 256. 1 x 4096 is whole tiles either way (32 x 128)."""
+    base = dict(page_size=16, ctas_per_request=8, max_ctas=264, window_left=-1, fixed_split_tokens=0,
+                disable_split_kv=False, chunk_align_tokens=128)
+    for kv_lens, chunk, items in (([4300], 131, 33), ([1100] * 4, 138, 32), ([4096], 128, 32)):
+        indptr, last = _page_table(kv_lens, 16, 0)
+        result, _ = oracle(dict(base, kv_lens=kv_lens, indptr=indptr, last_page_len=last, num_indices=indptr[-1]))
+        assert (result.chunk_tokens, result.num_work) == (chunk, items), kv_lens
 
 
 def _bad_variants(b: dict, draw_index: int) -> list[tuple[dict, str]]:
@@ -201,7 +243,7 @@ def _bad_variants(b: dict, draw_index: int) -> list[tuple[dict, str]]:
 def test_oracle_refuses_bad_page_tables_naming_the_index(b, draw_index):
     for bad, named in _bad_variants(b, draw_index):
         with pytest.raises(PlanError) as info:
-            oracle(bad, PlanLayout(len(bad["last_page_len"]), capacity_for(b)))
+            oracle(bad, PlanLayout(len(bad["last_page_len"]), capacity_for(b), b["ctas_per_request"]))
         assert named in str(info.value)
 
 
@@ -216,7 +258,50 @@ def test_oracle_refuses_a_plan_beyond_its_capacity():
     b = dict(indptr=[0, 100], last_page_len=[16], page_size=16, num_indices=100, ctas_per_request=1, max_ctas=132,
              window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600], chunk_align_tokens=1)
     with pytest.raises(PlanError, match="work items"):
-        oracle(b, PlanLayout(1, 10))
+        oracle(b, PlanLayout(1, 10, 1))
+
+
+def merge_counters(image: list[int], layout: PlanLayout) -> list[int]:
+    start = layout.offsets()["off_merge_counters"]
+    return image[start : start + layout.batch_size * layout.ctas_per_request]
+
+
+def test_merge_counters_close_the_image_one_per_cta_unit_zeroed():
+    """The fused merge's counters: [batch, ctas_per_request] int32 after every other array, the
+    image's last entries, all 0 in a fresh plan (the decode kernel returns them to 0 after a run)."""
+    b = dict(indptr=[0, 64, 64, 65], last_page_len=[16, 0, 3], page_size=16, num_indices=65, ctas_per_request=6,
+             max_ctas=264, window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[1024, 0, 3],
+             chunk_align_tokens=1)
+    result, layout = oracle(b)
+    assert result.num_partials > 1, "request 0 must be split for the counters to matter"
+    offsets = layout.offsets()
+    ends = sorted((offset, name) for name, offset in offsets.items())
+    assert ends[-1][1] == "off_merge_counters" and offsets["off_merge_counters"] == offsets["off_kv_len"] + 3
+    assert layout.size == offsets["off_merge_counters"] + 3 * 6
+    assert PlanLayout(3, layout.capacity, 1).size == layout.size - 3 * 5
+    assert merge_counters(result.image, layout) == [0] * 18
+
+
+@pytest.mark.nvcc
+def test_cxx_planner_zeroes_merge_counters_a_previous_plan_left_dirty(module):
+    """A pinned image is reused across plans: counters that hold garbage (a run cut short, a first
+    upload of a never-written buffer) must be 0 after the next plan, which otherwise equals the oracle's."""
+    b = dict(indptr=[0, 64, 66], last_page_len=[16, 5], page_size=16, num_indices=66, ctas_per_request=8,
+             max_ctas=264, window_left=-1, fixed_split_tokens=0, disable_split_kv=False, kv_lens=[1024, 21],
+             chunk_align_tokens=1)
+    result, layout = oracle(b)
+    image = (ctypes.c_int32 * layout.size)(*([-7] * layout.size))
+    status, first, _, error = cxx_plan(module, b, layout, image)
+    assert status == 0, error
+    assert merge_counters(first, layout) == [0] * 16
+    start = layout.offsets()["off_merge_counters"]
+    for i in range(16):
+        image[start + i] = 3 + i  # as if the kernel had counted arrivals and never reset them
+    status, second, _, error = cxx_plan(module, b, layout, image)
+    assert status == 0, error
+    assert merge_counters(second, layout) == [0] * 16
+    written = [i for i, v in enumerate(result.image) if v != 0] + list(range(start, layout.size))
+    assert [second[i] for i in written] == [result.image[i] for i in written]
 
 
 def test_empty_request_gets_one_empty_item():
@@ -239,12 +324,13 @@ def module(plan_shim):
     return plan_shim("decode_plan.h", "plan_decode", *STRUCTS)
 
 
-def cxx_plan(shim, b: dict, layout: PlanLayout):
+def cxx_plan(shim, b: dict, layout: PlanLayout, image=None):
     """Call the C++ planner as decode.py plan() does, on a zeroed image (entries it does not
-    write stay 0, as in the oracle's image). (status, image, info, error message)"""
+    write stay 0, as in the oracle's image) or on `image`, a ctypes array reused across plans.
+    (status, image, info, error message)"""
     indptr = (ctypes.c_int32 * len(b["indptr"]))(*b["indptr"])
     last_page_len = (ctypes.c_int32 * max(len(b["last_page_len"]), 1))(*b["last_page_len"])
-    image = (ctypes.c_int32 * layout.size)()
+    image = (ctypes.c_int32 * layout.size)() if image is None else image
     args = shim.mirrors["DecodePlanArgs"](
         indptr=ctypes.addressof(indptr), last_page_len=ctypes.addressof(last_page_len), image=ctypes.addressof(image),
         batch_size=len(b["last_page_len"]), min_chunk_tokens=MIN_CHUNK_TOKENS, work_capacity=layout.capacity,
@@ -282,7 +368,7 @@ def test_cxx_planner_matches_oracle(module, b):
 @given(b=batches(max_batch=40), draw_index=st.integers(0, 10**6))
 def test_cxx_planner_refuses_what_the_oracle_refuses(module, b, draw_index):
     for bad, named in _bad_variants(b, draw_index):
-        layout = PlanLayout(len(bad["last_page_len"]), capacity_for(b))
+        layout = PlanLayout(len(bad["last_page_len"]), capacity_for(b), b["ctas_per_request"])
         with pytest.raises(PlanError) as info:
             oracle(bad, layout)
         assert named in str(info.value)
@@ -295,7 +381,7 @@ def test_cxx_planner_refuses_what_the_oracle_refuses(module, b, draw_index):
 def test_cxx_planner_refuses_a_plan_beyond_its_capacity(module):
     b = dict(indptr=[0, 100], last_page_len=[16], page_size=16, num_indices=100, ctas_per_request=1, max_ctas=132,
              window_left=-1, fixed_split_tokens=16, disable_split_kv=False, kv_lens=[1600], chunk_align_tokens=1)
-    status, _, _, error = cxx_plan(module, b, PlanLayout(1, 10))
+    status, _, _, error = cxx_plan(module, b, PlanLayout(1, 10, 1))
     assert status != 0
     assert "work items" in error and "fixed_split_size" in error
 

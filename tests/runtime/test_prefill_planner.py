@@ -138,15 +138,18 @@ def merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def assert_aligned_and_smallest(chunk: int, align: int, slots: int, items_for, longest: int) -> None:
-    """The automatic chunk (host/split_kv.h): the smallest multiple of `align` >= MIN_CHUNK_TOKENS
-    whose items fit the slots; or, where that multiple passes the longest range, the smallest chunk
-    >= MIN_CHUNK_TOKENS that fits. (Item counts never grow with the chunk, so one step down decides.)"""
+    """The automatic chunk (host/split_kv.h): s, the smallest chunk >= MIN_CHUNK_TOKENS whose items
+    fit the slots (found here by bisection: item counts never grow with the chunk), rounded up to a
+    multiple of `align` where that stays within the longest range and keeps >= 7/8 of s's items;
+    else s itself."""
     assert items_for(chunk) <= slots, "the chunks must stay within the slots"
-    if -(-chunk // align) * align <= longest:
-        assert chunk % align == 0, f"chunk {chunk} is not a multiple of the kv tile {align}"
-        assert chunk - align < MIN_CHUNK_TOKENS or items_for(chunk - align) > slots
-    else:
-        assert chunk == MIN_CHUNK_TOKENS or items_for(chunk - 1) > slots
+    lo, hi = MIN_CHUNK_TOKENS, max(chunk, MIN_CHUNK_TOKENS)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if items_for(mid) <= slots else (mid + 1, hi)
+    aligned = -(-lo // align) * align
+    keep = aligned <= longest and 8 * items_for(aligned) >= 7 * items_for(lo)
+    assert chunk == (aligned if keep else lo), f"chunk {chunk}: expected {aligned if keep else lo} (search: {lo})"
 
 
 # ---------------------------------------------------------------- oracle properties
@@ -373,6 +376,16 @@ def test_tensor_core_decode_batch1_16k_gets_whole_tiles():
     assert (result.max_chunks, result.chunk_tokens, result.num_work) == (32, 512, 32)
     assert sorted(begin for _, _, begin, _, _ in work_items(result.image, layout, result.num_work)) == list(
         range(0, 16384, 512))
+
+
+def test_tensor_core_decode_batch1_past_whole_tiles_keeps_its_slots():
+    """1 x 4300 tokens, same shape as above: 131-token chunks fill 33 of the 33 slots; whole tiles
+    (256) would fill 17 at the same two tiles per item, so alignment gives way (split_kv.h)."""
+    b = dict(CAPACITY_CASE, qo_lens=[1], kv_lens=[4300], qo_indptr=[0, 1], kv_indptr=[0, 269], last_page_len=[12],
+             page_size=16, num_indices=269, num_kv_heads=8, group_size=4, max_ctas=264, fixed_split_tokens=0,
+             row_capacity=1, chunk_align_tokens=128)
+    result, _ = oracle(b)
+    assert (result.chunk_tokens, result.num_work) == (131, 33)
 
 
 # ---------------------------------------------------------------- C++ planner == oracle

@@ -15,6 +15,7 @@ constexpr int swizzle_row_cells(int cells) { return (cells + 7) / 8 * 8; }
 template <int kCells>
 struct Swizzle128 {
   static_assert(kCells % 8 == 0, "swizzle: a row must span whole 128-byte lines (>= 8 cells of 16 bytes)");
+  static constexpr int kCellsPerRow = kCells;
   __device__ __forceinline__ static int cell(int row, int col) { return row * kCells + (col ^ (row & 7)); }
 };
 

@@ -16,9 +16,10 @@
 //   Output: softmax-normalized o and base-2 lse (log2 of the denominator plus the scaled max),
 //   either straight into o/lse or, for a split request, into the fp32 partial slot the plan gave.
 //   A row written to o joins its attention sink (p.sinks, common::with_sink); a partial row does
-//   not (the merge joins it). An empty range writes o = 0, lse = -inf (before the sink). A page id
-//   outside [0, num_pages) never reaches memory: the CTA reads page 0 instead, writes NaN, and
-//   raises the plan's error word.
+//   not (the merge joins it). The last CTA of a split (request, kv head, head tile) to store its
+//   partials merges them all into o/lse (merge_if_last): one launch per run, no merge kernel.
+//   An empty range writes o = 0, lse = -inf (before the sink). A page id outside [0, num_pages)
+//   never reaches memory: the CTA reads page 0 instead, writes NaN, and raises the plan's error word.
 //   Position encodings (decode_simt.cuh) run on the CUDA-core tile; the query's position comes from
 //   the plan's kv_len[request].
 //   PDL (common/pdl.cuh): every thread waits before the first plan read; the kv loop's end lets the
@@ -43,6 +44,41 @@
 #include "pos_encoding.cuh"
 
 namespace attnforge::fa2 {
+
+// The fused merge of a split request (common::merge_partial_row, as the standalone merge kernel):
+// the CTAs of one (request, kv head, head tile) count their arrivals on the plan's merge counter
+// and the last one merges that unit's partials into o, so a split run is one launch. The counter
+// goes back to 0 for the next run or graph replay. Called by every thread of a CTA that wrote its
+// partials.
+template <typename T>
+__device__ __forceinline__ void merge_if_last(const typename T::Params& p, int32_t* plan, int request, int kv_head,
+                                              int head_tile, int tid) {
+  const int first = plan[p.off_partial_indptr + request];
+  const int last = plan[p.off_partial_indptr + request + 1];
+  int32_t* counter = plan + p.off_merge_counters + (request * p.num_kv_heads + kv_head) * p.num_head_tiles + head_tile;
+  __threadfence();  // this thread's partial stores are visible device-wide before the arrival
+  __syncthreads();
+  bool merges = false;
+  if (tid == 0) {
+    merges = atomicAdd(counter, 1) == last - first - 1;
+    if (merges) atomicExch(counter, 0);  // every unit's CTA has arrived: nobody else touches it this run
+  }
+  if (!__syncthreads_or(merges)) return;
+  __threadfence();  // order the other CTAs' partials (seen through the counter) before the reads
+
+  const common::MergeArgs args{plan, p.off_partial_indptr, p.batch_size, p.num_qo_heads,
+                               static_cast<const float*>(p.tmp_v), static_cast<const float*>(p.tmp_s), p.o,
+                               p.o_stride_n, p.o_stride_h, static_cast<float*>(p.lse),
+                               static_cast<const float*>(p.sinks)};
+  constexpr int kColThreads = T::kHeadDim / 4;  // merge_partial_row's float4 columns
+  const int first_slot = head_tile * T::kHeadsPerCta;
+  for (int i = tid; i < T::kHeadsPerCta * kColThreads; i += T::kThreads) {
+    const int h = i / kColThreads;
+    if (first_slot + h >= p.group_size) break;
+    common::merge_partial_row<typename T::DTypeO, T::kHeadDim>(args, request, kv_head * p.group_size + first_slot + h,
+                                                               first, last, (i % kColThreads) * 4);
+  }
+}
 
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(const __grid_constant__ typename T::Params p) {
@@ -150,22 +186,22 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
       consume(tile % T::kStages, end - begin - tile * T::kTileTokens);
     }
     common::cp_async_wait<0>();
-    common::allow_dependent_grids();  // PDL: the next kernel (the merge, the next step) may start its launch
+    common::allow_dependent_grids();  // PDL: the next step may start its launch (it waits for this grid to complete)
   };
   // After the kv loop every token lane's state is in smem.lanes, except that the CUDA-core tile's
   // lane 0 keeps its own in `st`; token lane 0's threads then merge the others into st.
   SoftmaxState<T::kLaneDim> st[H];
   constexpr int kFirstMergedLane = T::kMmaTile ? 0 : 1;
-  constexpr int kNumLanes = T::kMmaTile ? T::kWarps : T::kBdz;
+  constexpr int kNumLanes = T::kMmaTile ? T::kMmaRowBlocks : T::kBdz;
   if constexpr (T::kMmaTile) {
     const int warp = tid / 32, lane = tid % 32;
-    MmaQuery<T::kMmaChunks> q;
-    load_query_mma<T>(p, request, kv_head, cta_slot, lane, q);
-    MmaState<T::kMmaChunks> lane_state;
+    MmaQuery<T::kMmaWarpChunks> q;
+    load_query_mma<T>(p, request, kv_head, cta_slot, warp, lane, q);
+    MmaState<T::kMmaWarpChunks> lane_state;
     run_tiles([&](int stage, int valid_rows) {
       decode_tile_mma<T>(reinterpret_cast<const uint8_t*>(smem.ring.k[stage]),
                          reinterpret_cast<const uint8_t*>(smem.ring.v[stage]), q, valid_rows, p.post_scale,
-                         smem.mma_probs[warp], warp, lane, lane_state);
+                         smem.mma_probs[warp], smem.mma_scores, warp, lane, lane_state);
     });
     __syncthreads();  // every warp is done reading the ring the lane states overwrite
     share_mma_state<T>(lane_state, smem.lanes, warp, lane);
@@ -238,45 +274,48 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     }
   }
   bad_page = __syncthreads_or(bad_page);
-  if (tz != 0 || tx >= T::kCells) return;  // token lanes merged; padding lanes store nothing
   if (bad_page && tid == 0) atomicOr(&plan[common::kPlanError], common::kPlanErrorBadPage);
 
+  // Token lane 0 stores; the other lanes and padding lanes only join the fused merge's barriers.
+  if (tz == 0 && tx < T::kCells) {
 #pragma unroll
-  for (int h = 0; h < H; ++h) {
-    if (first_slot + h >= p.group_size) break;
-    const int qo_head = kv_head * p.group_size + first_slot + h;
-    float inv_d = bad_page ? NAN : (st[h].d > 0.f ? 1.f / st[h].d : 0.f);
-    float lse = bad_page ? NAN : (st[h].d > 0.f ? st[h].m + log2f(st[h].d) : common::kNegInf);
-    if (slot < 0 && p.sinks != nullptr) {
-      const common::SinkJoin joined = common::with_sink(lse, static_cast<const float*>(p.sinks)[qo_head]);
-      inv_d *= joined.scale;
-      lse = joined.lse;
-    }
-    float out[T::kCellsPerLane][T::kVec];
-#pragma unroll
-    for (int c = 0; c < T::kCellsPerLane; ++c) {
-#pragma unroll
-      for (int e = 0; e < T::kVec; ++e) out[c][e] = st[h].o[c * T::kVec + e] * inv_d;
-    }
-    if (slot < 0) {
-      auto* o_row = static_cast<typename T::DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h;
-#pragma unroll
-      for (int c = 0; c < T::kCellsPerLane; ++c) common::store_float(o_row + T::lane_col(tx, c), out[c]);
-      if (p.lse != nullptr && tx == 0) static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] = lse;
-    } else {
-      const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
-      float* partial = static_cast<float*>(p.tmp_v) + row * T::kHeadDim;
+    for (int h = 0; h < H; ++h) {
+      if (first_slot + h >= p.group_size) break;
+      const int qo_head = kv_head * p.group_size + first_slot + h;
+      float inv_d = bad_page ? NAN : (st[h].d > 0.f ? 1.f / st[h].d : 0.f);
+      float lse = bad_page ? NAN : (st[h].d > 0.f ? st[h].m + log2f(st[h].d) : common::kNegInf);
+      if (slot < 0 && p.sinks != nullptr) {
+        const common::SinkJoin joined = common::with_sink(lse, static_cast<const float*>(p.sinks)[qo_head]);
+        inv_d *= joined.scale;
+        lse = joined.lse;
+      }
+      float out[T::kCellsPerLane][T::kVec];
 #pragma unroll
       for (int c = 0; c < T::kCellsPerLane; ++c) {
 #pragma unroll
-        for (int e = 0; e < T::kVec; e += 4) {
-          *reinterpret_cast<float4*>(partial + T::lane_col(tx, c) + e) =
-              make_float4(out[c][e], out[c][e + 1], out[c][e + 2], out[c][e + 3]);
-        }
+        for (int e = 0; e < T::kVec; ++e) out[c][e] = st[h].o[c * T::kVec + e] * inv_d;
       }
-      if (tx == 0) static_cast<float*>(p.tmp_s)[row] = lse;
+      if (slot < 0) {
+        auto* o_row = static_cast<typename T::DTypeO*>(p.o) + request * p.o_stride_n + qo_head * p.o_stride_h;
+#pragma unroll
+        for (int c = 0; c < T::kCellsPerLane; ++c) common::store_float(o_row + T::lane_col(tx, c), out[c]);
+        if (p.lse != nullptr && tx == 0) static_cast<float*>(p.lse)[int64_t(request) * p.num_qo_heads + qo_head] = lse;
+      } else {
+        const int64_t row = int64_t(slot) * p.num_qo_heads + qo_head;
+        float* partial = static_cast<float*>(p.tmp_v) + row * T::kHeadDim;
+#pragma unroll
+        for (int c = 0; c < T::kCellsPerLane; ++c) {
+#pragma unroll
+          for (int e = 0; e < T::kVec; e += 4) {
+            *reinterpret_cast<float4*>(partial + T::lane_col(tx, c) + e) =
+                make_float4(out[c][e], out[c][e + 1], out[c][e + 2], out[c][e + 3]);
+          }
+        }
+        if (tx == 0) static_cast<float*>(p.tmp_s)[row] = lse;
+      }
     }
   }
+  if (slot >= 0) merge_if_last<T>(p, plan, request, kv_head, head_tile, tid);
 }
 
 template <typename T>

@@ -9,7 +9,8 @@
 //   - Shared memory: a kStages-deep cp.async ring of K and V tiles (swizzled where ldmatrix reads
 //     them, ring_element), reused for the token lanes' (m, d, o) states once the kv loop has
 //     drained; per lane group a row of probabilities and rescale factors; per warp the tensor-core
-//     tile's P buffer; the row offsets of the tiles the ring has yet to copy.
+//     tile's P buffer (and, in warp pairs, its partial scores); the row offsets of the tiles the
+//     ring has yet to copy.
 //
 // Must not: hold kernel code (ring_element is the one index map the ring's writer and readers share).
 #pragma once
@@ -88,27 +89,48 @@ struct DecodeTraits {
   static constexpr int kBdy = kHeadsPerCta / kHeadsPerThread;  // head groups per CTA
   static constexpr int kThreads = 128;
   static constexpr int kBdz = kThreads / (kBdx * kBdy);  // token lanes
-  // Tensor-core tiles (decode_mma.cuh): rows of whole 128-byte lines (16-bit hd 64 and 128, fp8
-  // hd 128 and 256) read for 4-8 heads, in 64-token tiles, 16 rows per warp. The CUDA-core tile
-  // spends an FMA per head on each element (and an fp8 cache a conversion per head group), so it
-  // is issue-bound at 4 and 8 heads (fp8 at 4 heads: 695 SASS instructions per tile and warp
-  // against 316 here), which the MMAs remove. fp8 hd 64 (64-byte rows) keeps the CUDA-core tile,
-  // and so does 16-bit hd 256, whose 64-token ring (192 KB) would leave one CTA per SM.
+  // Tensor-core tiles (decode_mma.cuh): ring rows of whole 128-byte lines (16-bit hd 64 to 224,
+  // fp8 hd 128 and 256) read for 4-8 heads, 16 rows per warp. The CUDA-core tile spends an FMA per
+  // head on each element (and an fp8 cache a conversion per head group), so it is issue-bound at 4
+  // and 8 heads (fp8 at 4 heads: 695 SASS instructions per tile and warp against 316 here), which
+  // the MMAs remove. fp8 hd 64 (64-byte rows) keeps the CUDA-core tile.
   static constexpr int kWarps = kThreads / 32;
-  // Padded rows keep the CUDA-core tile: the MMA tile's chunks read whole rows of the ring. So does
-  // a position encoding: the CUDA-core tile rotates each K cell (RoPE) and biases each finished
-  // score (ALiBi) where it holds them in registers, which the MMA fragments would scatter. So does
-  // hd 512 (any cache): 64 rows of 512 bytes or more per stage would leave the ring 192 KB or more,
-  // past sm80's 163 KB.
-  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && !kPaddedRow && kBdx % 8 == 0 && kCellsPerLane == 1 &&
-                                   (kHeadDim <= 128 || (sizeof(DTypeKV) == 1 && kHeadDim <= 256)) &&
+  // A padded 16-bit row (hd 80, 96, 112 in a 128-column ring row) takes the MMA tile too: its k-steps
+  // and O^T chunks are the hd / 16 real ones (kMmaChunks), which never touch the padding cells.
+  // On the CUDA-core tile its padding lanes issue every load, conversion and FMA a real lane does,
+  // so such a row costs the instructions of hd 128 for hd / 128 of its bytes: issue-bound (measured
+  // on H200 at 4 heads, batch 64 x kv 4096: hd 80 and 96 in ~215-228 us, where memory alone needs
+  // ~160-190; hd 160 and 192, padded to 256, both ~425 us). A padded fp8 row keeps the CUDA-core
+  // tile: its MMA path splits each lane's K cells by hd / 4 (the whole row).
+  // A position encoding keeps the CUDA-core tile: it rotates each K cell (RoPE) and biases each
+  // finished score (ALiBi) where it holds them in registers, which the MMA fragments would scatter.
+  // So does hd 512 (any cache, more than 32 cells a row).
+  // A 16-bit row of 256 columns (hd 160, 192, 224, padded) is 512 bytes: 64 such rows per tile
+  // would make the ring 192 KB (one CTA per SM, none on sm80). There warps work in pairs
+  // (kMmaSplit): a pair takes 16 rows of a 32-token tile, each warp its half of the hd / 16 real
+  // chunks, of Q.K^T (the pair adds its partial S through shared memory) and of O^T, so every MMA
+  // stays a full m16n8k16 and the ring 96 KB (2 CTAs per SM on sm90, 1 on sm80). Its padding
+  // costs nothing but ring space: ~41-44 SASS instructions per token and CTA at 4 heads, against
+  // 134 on the CUDA-core tile, whose padding lanes issue as real ones do (measured on H200 at 4
+  // heads, batch 64 x kv 4096: 73-89% of copy bandwidth, issue-bound). hd 256 (no padding, 97.6%)
+  // keeps the CUDA-core tile: the pair tile would leave sm80 one CTA, 64 KB in flight against 96.
+  static constexpr bool kMmaTile = kHeadsPerCta >= 4 && (!kPaddedRow || sizeof(DTypeKV) == 2) && kBdx % 8 == 0 &&
+                                   kCellsPerLane == 1 &&
+                                   (kHeadDim <= 128 || (sizeof(DTypeKV) == 1 && kHeadDim <= 256) ||
+                                    (sizeof(DTypeKV) == 2 && kPaddedRow)) &&
                                    kPosEncoding == kPosNone;
   static constexpr int kMmaChunks = kHeadDim / 16;
+  static constexpr int kMmaSplit = kMmaTile && kRowDim * int(sizeof(DTypeKV)) > 256 ? 2 : 1;  // warps per 16 rows
+  static constexpr int kMmaWarpChunks = kMmaChunks / kMmaSplit;  // 16-dim chunks of one warp (of q, K and O^T)
+  static constexpr int kMmaRowBlocks = kWarps / kMmaSplit;  // 16-row blocks of a tile: the token lanes
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
   // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM, which
-  // beat 4 stages at 3 CTAs per SM. A 16-bit tensor-core tile takes 16 KB (64 rows) and 2 CTAs per
-  // SM: the same bytes in flight.
-  static constexpr int kTileTokens = kMmaTile ? 16 * kWarps : 8192 / (kRowDim * int(sizeof(DTypeKV)));
+  // beat 4 stages at 3 CTAs per SM. A 16-bit tensor-core tile takes 16 KB (64 rows of 128 columns,
+  // or 32 of 256) and 2 CTAs per SM: the same bytes in flight. (Sizes count the ring's padded rows:
+  // a padded head dim has hd / kRowDim of them in flight, 80 KB per SM at hd 80 and 160, still
+  // twice the ~33 KB that 4.3 TB/s x ~1 us of DRAM latency asks of each of 132 SMs; sm80 fits one
+  // CTA of the 256-column tile, 40 KB in flight at hd 160.)
+  static constexpr int kTileTokens = kMmaTile ? 16 * kMmaRowBlocks : 8192 / (kRowDim * int(sizeof(DTypeKV)));
   static constexpr int kTokensPerLane = kTileTokens / kBdz;
   static constexpr int kStages = 3;
   static constexpr int kMinCtasPerSm = 8192 * 4 / (kTileTokens * kRowDim * int(sizeof(DTypeKV)));
@@ -148,6 +170,9 @@ struct DecodeTraits {
   static_assert(kTileTokens % kBdz == 0, "decode tile: token lanes must split a tile evenly");
   static_assert(kTileTokens <= kThreads && kStages >= 3, "decode ring: a thread per tile row owns its offset");
   static_assert(!kMmaTile || kHeadsPerCta <= 8, "decode mma tile: the CTA's heads are the MMAs' 8 columns");
+  static_assert(!kMmaTile || kHeadDim % 16 == 0, "decode mma tile: the head dim must be whole k-steps of 16 (rule head-dims-multiple-of-16)");
+  static_assert(kMmaSplit == 1 || (kMmaSplit == 2 && sizeof(DTypeKV) == 2 && kMmaChunks % 2 == 0),
+                "decode mma tile: a warp pair splits a 16-bit row's chunks in two halves (decode_tile_mma)");
 
   // Per tile a lane group computes kScores = kTokensPerLane x kHeadsPerThread dot products. The
   // reduce-scatter spreads them over kScatterLanes lanes, kScoresPerLane consecutive tokens of one
@@ -163,12 +188,13 @@ struct DecodeTraits {
                 "decode scores: the scores one lane finishes must belong to one head");
 
   // Token-lane partial states, merged once the KV ring has drained: [lane][kHeadsPerCta][kRowDim]
-  // and (m, d), one lane per tz, or per warp on the tensor-core tile (where fp8 hd 256 at 8 heads
-  // has 2 tz for 4 warps). They reuse the ring's memory, which keeps the CTA near 48 KB (4 per SM).
+  // and (m, d), one lane per tz, or per 16-row block on the tensor-core tile (where fp8 hd 256 at 8
+  // heads has 2 tz for 4 blocks). They reuse the ring's memory, which keeps the CTA near 48 KB (4 per SM).
   // A head's o row holds lane tx's kLaneDim elements at [tx x kLaneDim, ...): its columns in order
   // when a lane has one cell (as the tensor-core tile writes them), lane by lane at hd 512.
-  static constexpr int kStateLanes = kMmaTile && kWarps > kBdz ? kWarps : kBdz;
-  static_assert(!kMmaTile || kStateLanes >= kWarps, "decode mma tile: a token-lane state per warp (share_mma_state)");
+  static constexpr int kStateLanes = kMmaTile && kMmaRowBlocks > kBdz ? kMmaRowBlocks : kBdz;
+  static_assert(!kMmaTile || kStateLanes >= kMmaRowBlocks,
+                "decode mma tile: a token-lane state per 16-row block (share_mma_state)");
   struct LaneStates {
     float o[kStateLanes][kHeadsPerCta][kRowDim];
     float m[kStateLanes][kHeadsPerCta];
@@ -204,6 +230,7 @@ struct DecodeTraits {
     };
     LaneGroupRows rows[kBdz][kBdy];  // per lane group, rewritten every tile
     alignas(16) uint32_t mma_probs[kMmaTile ? kWarps : 0][32][4];  // per warp: P's two terms, 16 rows of 8 each
+    float4 mma_scores[kMmaSplit > 1 ? kWarps : 0][32];  // per warp of a pair: its partial S fragments
     int64_t row_offsets[kOffsetSlots][kTileTokens];  // tile t's in slot t % kOffsetSlots
   };
 };

@@ -170,8 +170,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
     if constexpr (T::kSlidingWindow) boundary = boundary || first < q_pos_last - p.window_left;
     if constexpr (!T::kRawScores) transform_scores<T>(p, score_scale, rows, rc, first, warp_kv, s);
     if (boundary) mask_scores<T>(p, rows, rc, first, end, warp_kv, s);
-    softmax_update<T>(s, T::kRawScores ? score_scale : 1.f, st);
-    accumulate_pv<T>(smem.tiles.v, warp_kv, s, st);
+    float alpha[T::kMmaQ][2];
+    softmax_update<T>(s, T::kRawScores ? score_scale : 1.f, st, alpha);
+    accumulate_pv<T>(smem.tiles.v, warp_kv, s, alpha, st);
   }
   common::cp_async_wait<0>();
   common::allow_dependent_grids();  // PDL: the next kernel (the merge, the next step) may start its launch

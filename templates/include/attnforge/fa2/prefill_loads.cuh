@@ -27,10 +27,11 @@
 
 namespace attnforge::fa2 {
 
-// Paged KV: each thread writes the global offsets (past the head) of tile rows threadIdx.x +
+// Paged KV: each thread writes the global byte offsets (past the head) of tile rows threadIdx.x +
 // i * kThreads into the tile's table in shared memory, 0 past `end` (the copies zero-fill those
 // rows but still need an address), so each page id is read once per tile, not once per 16-byte copy
-// of K and again of V. A bad page id reads page 0 and raises `bad_page`.
+// of K and again of V. Bytes, not elements: a copy's address is then one 64-bit add. A bad page id
+// reads page 0 and raises `bad_page`.
 template <typename T>
 __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T::Params& p, const int32_t* page_ids,
                                                 const common::FastDivmod& page_size, int first, int end,
@@ -46,7 +47,8 @@ __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T
       const int page = __ldg(page_ids + page_index);
       const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
       bad_page |= !ok;
-      offset = (ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token;
+      offset = ((ok ? int64_t(page) : int64_t(0)) * p.kv_stride_page + int64_t(in_page) * p.kv_stride_token) *
+               int64_t(sizeof(typename T::DTypeKV));
     }
     table[row] = offset;
   }
@@ -60,7 +62,8 @@ __device__ __forceinline__ void fill_kv_offsets(int64_t* table, const typename T
 // Each thread keeps one cell column and walks the rows kRowsPerPass apart, so a copy costs a pointer
 // step and a compare: recomputing (row, cell) and a 64-bit row offset per copy made the tile loads
 // the largest instruction stream of the loop. With kRowsPerPass % 8 == 0 (head dims 64, 128) the
-// swizzled cell is the same for all of a thread's rows. Head dim 192 leaves kThreads % kCells
+// swizzled cell is the same for all of a thread's rows, and their shared addresses immediate
+// offsets from the first. Head dim 192 leaves kThreads % kCells
 // threads idle.
 template <typename T, int kCells>
 __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typename T::DTypeKV* head_base,
@@ -70,6 +73,9 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
   constexpr int kPasses = (T::kTileKV + kRowsPerPass - 1) / kRowsPerPass;
   const int row0 = threadIdx.x / kCells, cell = threadIdx.x % kCells;
   if (T::kThreads % kCells != 0 && row0 >= kRowsPerPass) return;
+  using Swizzle = common::Swizzle128<common::swizzle_row_cells(kCells)>;
+  const uint32_t dst_tile = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  const uint32_t dst0 = dst_tile + 16u * Swizzle::cell(row0, cell);
   const typename T::DTypeKV* src = head_base + cell * T::kKVPerCell;
   if constexpr (!T::kPagedKV) src += int64_t(kv_token_base + first + row0) * token_stride;
   const int64_t step = kRowsPerPass * token_stride;
@@ -91,13 +97,15 @@ __device__ __forceinline__ void load_kv_tile(typename T::DTypeKV* dst, const typ
     const bool valid = i * kRowsPerPass < rows_left;
     const typename T::DTypeKV* row_src;
     if constexpr (T::kPagedKV) {
-      row_src = src + offsets[i];
+      row_src = reinterpret_cast<const typename T::DTypeKV*>(reinterpret_cast<const char*>(src) + offsets[i]);
     } else {
       row_src = valid ? src : head_base;
       src += step;
     }
-    common::cp_async_16(dst + common::Swizzle128<common::swizzle_row_cells(kCells)>::cell(row, cell) * T::kKVPerCell,
-                        row_src, valid);
+    // kRowsPerPass % 8 == 0: the rows share their swizzled cell, so a row is an immediate offset.
+    const uint32_t dst_row = kRowsPerPass % 8 == 0 ? dst0 + 16u * Swizzle::kCellsPerRow * (row - row0)
+                                                   : dst_tile + 16u * Swizzle::cell(row, cell);
+    common::cp_async_16(dst_row, row_src, valid);
   }
 }
 

@@ -14,9 +14,10 @@
 //     prefill_loads.cuh's rope_k_tile) in natural order, and q keeps its natural order too; V is
 //     read as above.
 //   - compute_scores returns raw fp32 dot products; accumulate_pv takes base-2 probabilities in the
-//     score fragment.
+//     score fragment and o's per-row rescale factors (softmax_update's alpha).
 //
-// Must not: scale, mask or exponentiate scores, or touch global memory.
+// Must not: scale, mask or exponentiate scores (o's rescale is the only scaling here), or touch
+// global memory.
 #pragma once
 
 #include <cfloat>
@@ -32,14 +33,20 @@
 
 namespace attnforge::fa2 {
 
-// Fragment loads revisit the same lane rows (row0 + 16 i, all with row0 % 8) at even column cells
-// 2 j + c0, so the swizzled cell is row * kCells + ((2 j) ^ x) with x = c0 ^ (row0 % 8) fixed per
-// lane: one xor per column step and an immediate offset per row step, nothing hoisted per (i, j).
+// A lane's ldmatrix rows in a Swizzle128 tile, as byte offsets from the tile. Fragment loads read
+// 32-byte column pairs j (cells 2 j and 2 j + 1, the lane's cell c0 of them) of rows row0 + 16 i, all
+// with row0 % 8. Rows are whole 128-byte lines, so under the swizzle (XOR of a cell's low 3 bits
+// with row % 8) pair j of row row0 lies at (off0 ^ 32 (j % 4)) + 128 (j / 4) with off0 the byte
+// offset of (row0, c0 ^ row0 % 8): one XOR with a constant per j % 4, and immediate offsets for the
+// line j / 4 and the row block i.
 template <int kCells>
-struct LaneCells {
-  int row0, x;
-  __device__ __forceinline__ LaneCells(int row, int c0) : row0(row), x(c0 ^ (row & 7)) {}
-  __device__ __forceinline__ int at(int i, int j) const { return (row0 + 16 * i) * kCells + ((2 * j) ^ x); }
+struct LaneRows {
+  uint32_t off0;
+  __device__ __forceinline__ LaneRows(int row, int c0) : off0(16u * (row * kCells + (c0 ^ (row & 7)))) {}
+  // Pair (4 line + quarter) of row block i; quarter < 4.
+  __device__ __forceinline__ uint32_t at(int i, int line, int quarter) const {
+    return (off0 ^ (32u * quarter)) + 128u * line + 16u * 16u * kCells * i;
+  }
 };
 
 // An fp8 word of four one-byte elements as two registers of fp16 pairs: bytes (0, 1) and (2, 3).
@@ -49,14 +56,13 @@ __device__ __forceinline__ void widen_fp8_word(uint32_t word, uint32_t& lo, uint
   hi = common::Vec16<typename T::DTypeKV>::pair_to_half2_bits(word, 1);
 }
 
-// K's B fragments for one step of 16 keys (the row addresses of LaneCells kc): b[c][0..1] for keys
+// K's B fragments for one step of 16 keys (the row address from LaneRows kr): b[c][0..1] for keys
 // 0-7 and b[c][2..3] for keys 8-15 of the step's 16-dim chunk c. 16-bit: one ldmatrix_x4, natural
 // order. fp8: matrices (keys 0-7, dims 0-15), (keys 0-7, 16-31), (keys 8-15, 0-15), (keys 8-15,
 // 16-31); lane (g, t) gets dims 4t .. 4t + 3 of key g, which fill B's k slots 2t, 2t + 1 and
 // 2t + 8, 2t + 9: the dim order prepare_q_for_fp8_kv gave q.
 template <typename T>
-__device__ __forceinline__ void load_k_fragments(const typename T::DTypeKScores* row,
-                                                 uint32_t (&b)[T::kChunksPerLoadQK][4]) {
+__device__ __forceinline__ void load_k_fragments(uint32_t row, uint32_t (&b)[T::kChunksPerLoadQK][4]) {
   uint32_t r[4];
   common::ldmatrix_x4(r, row);
   if constexpr (T::kFp8KFragments) {
@@ -71,12 +77,12 @@ __device__ __forceinline__ void load_k_fragments(const typename T::DTypeKScores*
   }
 }
 
-// V's B fragments (transposed) for one step of 16 keys (LaneCells vc): b[c][0..1] for the first
+// V's B fragments (transposed) for one step of 16 keys (LaneRows vr): b[c][0..1] for the first
 // n8 block of o's chunk c, b[c][2..3] for the second. 16-bit: dims 0-7 and 8-15. fp8: ldmatrix.trans
 // hands lane (g, t) the byte pairs (dims 2g, 2g + 1) of keys 2t and 2t + 1; regrouped by dim, they
 // are the even dims 2g (first block) and the odd dims 2g + 1 (second), which o_col follows.
 template <typename T>
-__device__ __forceinline__ void load_v_fragments(const typename T::DTypeKV* row, uint32_t (&b)[T::kChunksPerLoadVO][4]) {
+__device__ __forceinline__ void load_v_fragments(uint32_t row, uint32_t (&b)[T::kChunksPerLoadVO][4]) {
   uint32_t r[4];
   common::ldmatrix_x4_trans(r, row);
   if constexpr (T::kFp8KV) {
@@ -149,15 +155,24 @@ __device__ __forceinline__ float prepare_q_for_fp8_kv(typename T::Tiles& tiles) 
 }
 
 // s = Q . K^T for this warp's rows and kv columns (raw dot products, fp32).
+// K steps run as j = 4 line + quarter, quarter-major (a dot product does not depend on the order):
+// each quarter's addresses are one XOR per operand, the lines and row blocks immediates. Unrolled
+// over quarters as T::kUnrollQuartersQK says: fully, the first MMAs add to constant zeros and ptxas
+// overlaps a step's ldmatrix with the MMAs before it. (With the addresses as row * cells +
+// (cell ^ x) per step, full unrolling hoisted every step's address and ran out of registers;
+// unrolled by two over quarters it spills more.)
 template <typename T>
 __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, const typename T::DTypeKScores* k,
                                                int warp_q, int warp_kv, float (&s)[T::kMmaQ][T::kMmaKV][8]) {
   constexpr int kChunks = T::kChunksPerLoadQK;
+  constexpr int kSteps = T::kMmaDQK / kChunks;  // K loads of 16 keys x 32 bytes
+  constexpr int kLines = (kSteps + 3) / 4;
   const int lane = threadIdx.x % 32;
+  const uint32_t q_base = common::smem_addr(q), k_base = common::smem_addr(k);
   // Q: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
-  const LaneCells<T::kRowCellsQ> qc(warp_q * T::kMmaQ * 16 + lane % 16, lane / 16);
+  const LaneRows<T::kRowCellsQ> qr(warp_q * T::kMmaQ * 16 + lane % 16, lane / 16);
   // K: matrices (kv 0-7, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 0), (kv 8-15, cell 1).
-  const LaneCells<T::kRowCellsKScores> kc(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const LaneRows<T::kRowCellsKScores> kr(warp_kv * T::kMmaKV * 16 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
 #pragma unroll
   for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
@@ -166,41 +181,50 @@ __device__ __forceinline__ void compute_scores(const typename T::DTypeMma* q, co
       for (int e = 0; e < 8; ++e) s[mq][mk][e] = 0.f;
     }
   }
-  // Rolled: unrolled, ptxas hoists every step's ldmatrix ahead and runs out of registers.
-#pragma unroll 1
-  for (int step = 0; step < T::kMmaDQK / kChunks; ++step) {
-    uint32_t a[T::kMmaQ][kChunks][4];
+#pragma unroll(T::kUnrollQuartersQK)
+  for (int quarter = 0; quarter < 4; ++quarter) {
 #pragma unroll
-    for (int mq = 0; mq < T::kMmaQ; ++mq) {
+    for (int line = 0; line < kLines; ++line) {
+      if (line >= kSteps / 4 && 4 * line + quarter >= kSteps) continue;
+      uint32_t a[T::kMmaQ][kChunks][4];
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) common::ldmatrix_x4(a[mq][c], q + qc.at(mq, step * kChunks + c) * 8);
-    }
+      for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
-    for (int mk = 0; mk < T::kMmaKV; ++mk) {
-      uint32_t b[kChunks][4];
-      load_k_fragments<T>(k + kc.at(mk, step) * T::kKScoresPerCell, b);
+        for (int c = 0; c < kChunks; ++c) {
+          const int pair = kChunks * quarter + c;  // Q's pair is kChunks * 4 line + pair
+          common::ldmatrix_x4(a[mq][c], q_base + qr.at(mq, kChunks * line + pair / 4, pair % 4));
+        }
+      }
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
+      for (int mk = 0; mk < T::kMmaKV; ++mk) {
+        uint32_t b[kChunks][4];
+        load_k_fragments<T>(k_base + kr.at(mk, line, quarter), b);
 #pragma unroll
-        for (int mq = 0; mq < T::kMmaQ; ++mq) {
-          common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][0]), a[mq][c], b[c][0], b[c][1]);
-          common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][4]), a[mq][c], b[c][2], b[c][3]);
+        for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+          for (int mq = 0; mq < T::kMmaQ; ++mq) {
+            common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][0]), a[mq][c], b[c][0], b[c][1]);
+            common::mma_m16n8k16<typename T::DTypeMma>(*reinterpret_cast<float(*)[4]>(&s[mq][mk][4]), a[mq][c], b[c][2], b[c][3]);
+          }
         }
       }
     }
   }
 }
 
-// o += P . V for this warp's rows. P arrives as base-2 probabilities in the score fragment; C
-// fragment pairs (e, e + 1) are exactly the A fragment registers of the P.V mma.
+// o = alpha o + P . V for this warp's rows (alpha: softmax_update's rescale of each row, applied to
+// an o chunk right before its first MMA). P arrives as base-2 probabilities in the score fragment;
+// C fragment pairs (e, e + 1) are exactly the A fragment registers of the P.V mma.
 template <typename T>
 __device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int warp_kv,
-                                              const float (&s)[T::kMmaQ][T::kMmaKV][8], PrefillState<T>& st) {
+                                              const float (&s)[T::kMmaQ][T::kMmaKV][8], const float (&alpha)[T::kMmaQ][2],
+                                              PrefillState<T>& st) {
   using DType = typename T::DTypeMma;
   constexpr int kChunks = T::kChunksPerLoadVO;
   const int lane = threadIdx.x % 32;
+  const uint32_t v_base = common::smem_addr(v);
   // V, transposed: matrices (kv 0-7, cell 0), (kv 8-15, cell 0), (kv 0-7, cell 1), (kv 8-15, cell 1).
-  const LaneCells<T::kRowCellsVO> vc(warp_kv * T::kMmaKV * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  const LaneRows<T::kRowCellsVO> vr(warp_kv * T::kMmaKV * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 #pragma unroll
   for (int mk = 0; mk < T::kMmaKV; ++mk) {
     uint32_t a[T::kMmaQ][4];
@@ -212,12 +236,16 @@ __device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int 
 #pragma unroll
     for (int step = 0; step < T::kMmaDVO / kChunks; ++step) {
       uint32_t b[kChunks][4];
-      load_v_fragments<T>(v + vc.at(mk, step) * T::kKVPerCell, b);
+      load_v_fragments<T>(v_base + vr.at(mk, step / 4, step % 4), b);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
         for (int mq = 0; mq < T::kMmaQ; ++mq) {
           float(&o_mq)[8] = st.o[mq][step * kChunks + c];
+          if (mk == 0) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o_mq[e] *= alpha[mq][frag_row_half(e)];
+          }
           common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[0]), a[mq], b[c][0], b[c][1]);
           common::mma_m16n8k16<DType>(*reinterpret_cast<float(*)[4]>(&o_mq[4]), a[mq], b[c][2], b[c][3]);
         }

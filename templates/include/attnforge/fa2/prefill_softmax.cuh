@@ -3,8 +3,9 @@
 //   (merge_warp_states).
 //
 // Contract:
-//   - softmax_update turns a tile's scores into probabilities 2^(s * scale - m) in place and
-//     rescales d and o to the new max. A row that has seen no visible key keeps m = -inf, d = 0,
+//   - softmax_update turns a tile's scores into probabilities 2^(s * scale - m) in place,
+//     rescales d to the new max and returns o's factor (alpha), which accumulate_pv applies
+//     before its first MMA into each o chunk (prefill_mma.cuh). A row that has seen no visible key keeps m = -inf, d = 0,
 //     o = 0: exponents are then measured from 0, never from -inf.
 //   - merge_warp_states leaves the merged state in warp 0 (kWarpsKV > 1). Its states overwrite the
 //     tiles, so every warp must be done with them (the caller's barrier); each d must already be
@@ -20,11 +21,14 @@
 
 namespace attnforge::fa2 {
 
-// Online-softmax step: fold the tile's scores into (m, d), rescale o, and turn the scores into
-// probabilities 2^(s * scale - m) in place. `scale` turns the scores into base-2 units:
+// Online-softmax step: fold the tile's scores into (m, d), put o's rescale factor for each row in
+// alpha, and turn the scores into probabilities 2^(s * scale - m) in place. o is rescaled by
+// accumulate_pv, chunk by chunk beside the MMAs that read it (a separate pass over all of o made
+// ptxas shuffle the accumulators between registers). `scale` turns the scores into base-2 units:
 // sm_scale_log2 for raw scores, 1 once transform_scores has applied it.
 template <typename T>
-__device__ __forceinline__ void softmax_update(float (&s)[T::kMmaQ][T::kMmaKV][8], float scale, PrefillState<T>& st) {
+__device__ __forceinline__ void softmax_update(float (&s)[T::kMmaQ][T::kMmaKV][8], float scale, PrefillState<T>& st,
+                                               float (&alpha)[T::kMmaQ][2]) {
 #pragma unroll
   for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
@@ -43,16 +47,9 @@ __device__ __forceinline__ void softmax_update(float (&s)[T::kMmaQ][T::kMmaKV][8
       const float m_new = fmaxf(st.m[mq][rr], tile_max * scale);
       // -inf max: nothing visible yet; measure from 0 so 2^(s - m) stays 0 rather than NaN.
       const float m_safe = m_new == common::kNegInf ? 0.f : m_new;
-      const float alpha = common::fast_exp2(st.m[mq][rr] - m_safe);
+      alpha[mq][rr] = common::fast_exp2(st.m[mq][rr] - m_safe);
       st.m[mq][rr] = m_new;
-      st.d[mq][rr] *= alpha;
-#pragma unroll
-      for (int dv = 0; dv < T::kMmaDVO; ++dv) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          if (frag_row_half(e) == rr) st.o[mq][dv][e] *= alpha;
-        }
-      }
+      st.d[mq][rr] *= alpha[mq][rr];
 #pragma unroll
       for (int mk = 0; mk < T::kMmaKV; ++mk) {
 #pragma unroll

@@ -128,6 +128,13 @@ struct PrefillTraits {
   // 16-dim chunks one ldmatrix_x4 of K or V covers (16 keys of 16-byte rows): one of 16-bit
   // elements, two of fp8.
   static constexpr int kChunksPerLoadQK = kFp8KFragments ? 2 : 1;
+  // compute_scores' unroll over the four 32-byte quarters of a 128-byte line (each quarter runs
+  // every line of the head dim). Fully unrolled, ptxas overlaps each step's ldmatrix with the MMAs
+  // before it and the first MMAs add to constant zeros: 16-bit K up to head dim 128, and up to 256
+  // with one m16 block per warp, keep their loop spills (SASS per kv tile, sm90a). Otherwise rolled:
+  // fp8 K (its widening needs registers; unrolled, hd 128 e4m3 took 50 LDL/STL per tile) and the
+  // 128-row tile past hd 128 (hd 192: 11 LDL/STL per tile unrolled, 1 rolled).
+  static constexpr int kUnrollQuartersQK = !kFp8KFragments && (kHeadDimQK <= 128 || (kMmaQ == 1 && kHeadDimQK <= 256)) ? 4 : 1;
   static constexpr int kChunksPerLoadVO = kFp8KV ? 2 : 1;
   static constexpr int kMinCtasPerSm = kWide ? 1 : 2;
   static constexpr int kSm80SmemPerCta = 163 * 1024;  // the most an sm80 CTA may opt into
@@ -145,7 +152,7 @@ struct PrefillTraits {
     alignas(16) DTypeMma q[kCtaTileQ * kRowCellsQ * 8];
     alignas(16) DTypeKV k[kTileKV * kRowCellsQK * kKVPerCell];
     alignas(16) DTypeKV v[kTileKV * kRowCellsVO * kKVPerCell];
-    int64_t kv_offsets[2][kTileKV];  // global row offsets of the current and the next KV tile
+    int64_t kv_offsets[2][kTileKV];  // global row offsets (bytes) of the current and the next KV tile
     // fp8 cache, bf16 q: the bits of the CTA's largest |q| (none for a 16-bit cache: its 16 bytes with
     // padding would keep two hd 512 16-row CTAs off one sm90 SM)
     unsigned q_abs_max[kFp8KV ? 1 : 0];

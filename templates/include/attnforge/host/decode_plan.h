@@ -8,10 +8,11 @@
 //                 else fixed_split_tokens if set; else the smallest chunk >= min_chunk_tokens
 //                 whose work-item count times ctas_per_request fits max_ctas (binary search),
 //                 rounded up to a multiple of chunk_align_tokens (the kernel's kv tile) unless
-//                 that passes the longest range (split_kv.h).
+//                 that passes the longest range or keeps < 7/8 of the items (split_kv.h).
 //   Every request gets >= 1 work item (an empty one writes o = 0, lse = -inf). Requests cut into
 //   several chunks get consecutive fp32 partial slots; whole requests write o directly (-1).
 //   Work items are ordered longest first (stable), so long tails start early.
+//   merge_counters[batch * ctas_per_request] (the fused merge's arrival counts) are all 0.
 // Must not: touch the GPU. Its cost is what a serving engine pays every step: keep it O(batch).
 #pragma once
 
@@ -108,6 +109,9 @@ int32_t plan_decode(const Args& a, Info* info) {
   }
   for (int r = 0; r <= batch; ++r) image[a.off_indptr + r] = indptr[r];
   for (int r = 0; r < batch; ++r) image[a.off_kv_len + r] = range_begin[r] + range_len[r];
+  // The fused merge's counters start at 0 (the kernel leaves them so); zeroed every plan so that a
+  // run cut short, or a device image never written before, cannot leave a stale count behind.
+  std::fill_n(image + a.off_merge_counters, size_t(batch) * size_t(a.ctas_per_request), 0);
   image[common::kPlanNumWork] = static_cast<int32_t>(num_work);
   image[common::kPlanError] = 0;
   image[common::kPlanNumPartials] = partial_indptr[batch];

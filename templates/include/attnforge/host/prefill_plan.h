@@ -14,7 +14,7 @@
 //                  off or the q tiles alone fill max_ctas; else fixed_split_tokens if set; else the
 //                  smallest chunk >= min_chunk_tokens whose item count x Hkv fits max_ctas,
 //                  rounded up to a multiple of chunk_align_tokens (the chosen variant's kv tile)
-//                  unless that passes the longest range (split_kv.h).
+//                  unless that passes the longest range or keeps < 7/8 of the items (split_kv.h).
 //   num_chunks[r]= max(1, ceil(range / chunk)); chunk c = [lo + c*chunk, lo + (c+1)*chunk), cut to range.
 //   item (r, tile, c) reads chunk c cut to the tile's own range: from its first row's window edge
 //                  to just past its last row's causal edge. The chunk count is per request (the

@@ -4,8 +4,8 @@
 //   FlashInfer's, in pages); else the smallest chunk >= min_chunk_tokens whose work-item count
 //   times ctas_per_item fits max_ctas (binary search; the count never grows as the chunk grows, so
 //   the search is exact), rounded up to a multiple of align_tokens, the kernel's kv tile, unless
-//   that passes the longest range (then every range is one chunk either way, and the search's
-//   chunk is kept).
+//   that passes the longest range (then every range is one chunk either way) or leaves fewer than
+//   7/8 of the search's work items (kAlignKeepsItems); then the search's chunk is kept.
 // Must not: know what a work item is; items_for(chunk) counts them for its caller.
 #pragma once
 
@@ -13,6 +13,13 @@
 #include <cstdint>
 
 namespace attnforge::host {
+
+// Rounding a chunk up to whole kv tiles never adds tiles to a work item's critical path (ceil(chunk /
+// tile) is unchanged) but can cut the item count, and the items are what fill the SMs and put bytes
+// in flight: just past slots x tile tokens it nearly halves them (batch 1 x 4300 tokens, 33 slots,
+// tile 128: the search's 131 gives 33 items, 256 only 17, half the SMs idle). Round only where at
+// least kAlignKeepsItems of the items survive (16384 tokens: 497 -> 512, 33 -> 32 items).
+inline constexpr int64_t kAlignKeepsItemsNum = 7, kAlignKeepsItemsDen = 8;
 
 template <typename ItemsFor>
 int64_t split_chunk_tokens(int64_t longest, bool unsplit, int64_t fixed_split_tokens, int64_t min_chunk_tokens,
@@ -31,7 +38,8 @@ int64_t split_chunk_tokens(int64_t longest, bool unsplit, int64_t fixed_split_to
   // idle (1024-token pages at 16k tokens: 16 chunks for 33 slots).
   const int64_t align = std::max<int64_t>(align_tokens, 1);
   const int64_t aligned = (lo + align - 1) / align * align;
-  return aligned <= longest ? aligned : lo;
+  if (aligned > longest) return lo;
+  return items_for(aligned) * kAlignKeepsItemsDen >= items_for(lo) * kAlignKeepsItemsNum ? aligned : lo;
 }
 
 }  // namespace attnforge::host
