@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import warnings
 from dataclasses import asdict, dataclass
@@ -235,11 +236,18 @@ def sdpa_peer_us(problem: Problem, batch: int, causal: bool, name: str, backend,
             return None
 
 
+TORCH_WHERE = re.compile(r"\s*\(Triggered internally at [^)]*\)?.*$")
+# what torch says of the backends the benchmark itself turned off (not why the pinned one refused)
+TORCH_NOISE = ("not used because:", "has been runtime disabled")
+
+
 def sdpa_refusal(name: str, exc: BaseException, warned: list[str]) -> str:
-    """"NAME n/a: why": the exception's first line, then (after " / ") the reasons torch warned of before raising (its
-    "... not used because:" headers left out), each once, at most 300 characters."""
-    lines = [line.strip() for text in [str(exc)[:120], *warned] for line in text.strip().splitlines()[:1]]
-    why = " / ".join(dict.fromkeys(line for line in lines if line and not line.endswith("because:")))
+    """"NAME n/a: why": the exception's first line, then (after " / ") the reasons torch warned of before raising,
+    each once without torch's source location, leaving out what it says of the backends turned off for the
+    pin ("... not used because:", "... has been runtime disabled"), at most 300 characters."""
+    lines = [TORCH_WHERE.sub("", line.strip()) for text in [str(exc)[:120], *warned]
+             for line in text.strip().splitlines()[:1]]
+    why = " / ".join(dict.fromkeys(line for line in lines if line and not any(n in line for n in TORCH_NOISE)))
     return f"{name} n/a: {why[:300]}"
 
 

@@ -135,6 +135,18 @@ def test_sdpa_refusal_keeps_each_reason_once_without_torch_s_headers():
     assert len(prefill.sdpa_refusal("flash", exc, ["x" * 400])) == len("flash n/a: ") + 300
 
 
+def test_sdpa_refusal_keeps_torch_s_reason_at_hd_512_and_drops_what_it_says_of_the_disabled_backends():
+    """The warnings torch 2.11 gives for SDPA pinned to cuDNN at head dim 512 (2026-12-04 run)."""
+    where = " (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:986.)"
+    warned = ["Memory efficient kernel not used because:" + where,
+              "Memory Efficient attention has been runtime disabled." + where,
+              "Flash attention kernel not used because:" + where,
+              "head_dim should be no more than 256" + where,
+              "cuDNN attention has been runtime disabled." + where]
+    note = prefill.sdpa_refusal("cudnn", RuntimeError("No available kernel. Aborting execution."), warned)
+    assert note == "cudnn n/a: No available kernel. Aborting execution. / head_dim should be no more than 256"
+
+
 def test_verify_checks_every_head_dim_on_the_backends_the_rules_accept(on_sm90, monkeypatch):
     monkeypatch.setattr(prefill, "VERIFY_BATCH", 2)
     monkeypatch.setattr(prefill, "VERIFY_LENGTH", 20)
