@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from attnforge.benchmarks import decode
+from attnforge.benchmarks import _decode_problem, decode
 
 
 def timers(monkeypatch, graph=None):
@@ -73,7 +73,7 @@ def test_rows_by_head_dim_then_shape_and_what_does_not_fit_is_skipped():
     # hd 512 at 256 x 16384: 32 GiB per K or V, five of them at make_problem's peak
     assert list(skipped) == [(512, 256, 16384)]
     assert skipped[(512, 256, 16384)] == "skipped: needs ~162 GiB of device memory, 130 GiB free"
-    assert decode.problem_bytes(64, 4096, 128) == 5 * (64 * 8 * 4096 * 128 * 2) + decode.SPARE_BYTES
+    assert decode.problem_bytes(64, 4096, 128) == 5 * (64 * 8 * 4096 * 128 * 2) + _decode_problem.SPARE_BYTES
     assert decode.problem_bytes(1, 1000, 64) == decode.problem_bytes(1, 1008, 64)  # whole pages
 
 
