@@ -71,18 +71,15 @@ def decode_tile(spec: KernelSpec, heads_per_cta: int) -> DecodeTile:
     A row's 16-byte cells span the next power of two of lanes (the lane merges halve lane groups by
     shuffles), so hd 80, 96 and 112 of a 16-bit cache sit in 128-column ring rows and hd 160, 192
     and 224 in 256-column rows. The CUDA-core tile's padding lanes issue every load, conversion and
-    FMA of a real lane: such a row costs hd 128's (or 256's) instructions for hd / row_dim of the
-    bytes (hd 160 at 4 heads: 134 SASS warp-instructions per token and CTA, 73% of copy bandwidth
-    on H200). The tensor-core tile takes 4-8 heads over ring rows of whole 128-byte lines, and its
-    MMAs read only the hd / 16 real 16-dim chunks: 16-bit hd 64 to 128 in 64-token tiles (16 rows
-    a warp); 16-bit hd 160, 192 and 224 (256-column rows) in 32-token tiles, a warp pair per 16
-    rows, each warp over half the chunks (~41-44 instructions per token at 4 heads), since 64
-    tokens of 512-byte rows would make the ring 192 KB: one CTA per SM on sm90, none on sm80; fp8
-    hd 128 and 256. Not: a padded fp8 row (the MMA path splits a lane's K cells by hd / 4); an
-    in-kernel position encoding (it rotates K cells on the CUDA-core tile); 16-bit hd 256, whose
-    CUDA-core tile has no padding lanes and reaches 97.6% of copy bandwidth (the pair tile would
-    take 45 instructions per token against 134 and keep sm90's 128 KB in flight per SM, but fit
-    one CTA on sm80: 64 KB in flight there against 96); hd 512 (two cells a lane)."""
+    FMA of a real lane, which makes a padded row issue-bound; the tensor-core tile takes 4-8 heads
+    over ring rows of whole 128-byte lines, and its MMAs read only the hd / 16 real 16-dim chunks:
+    16-bit hd 64 to 128 in 64-token tiles (16 rows a warp); 16-bit hd 160, 192 and 224 in 32-token
+    tiles, a warp pair per 16 rows, each warp over half the chunks (64 tokens of 512-byte rows would
+    make the ring 192 KB: one CTA per SM on sm90, none on sm80); fp8 hd 128 and 256. Not: a padded
+    fp8 row (the MMA path splits a lane's K cells by hd / 4); an in-kernel position encoding (it
+    rotates K cells on the CUDA-core tile); 16-bit hd 256, whose CUDA-core tile has no padding lanes
+    and runs at the copy bandwidth (the pair tile would fit one CTA on sm80); hd 512 (two cells a
+    lane)."""
     kv_bytes = spec.dtype_kv.bytes
     vec = 16 // kv_bytes  # KV elements per 16-byte load
     cells = spec.head_dim_qk // vec

@@ -59,11 +59,10 @@ struct MergeArgs {
 };
 
 // Slots a thread loads before it folds them in. A split row's partials were written by the kernel
-// just before, so each load is an L2 round trip; folding slot by slot made a row of n slots a chain
-// of n (2n: the v load waited on the s test) round trips, ~0.2 us each on an H200: ~6 us at batch 1 x
-// 4096, where the planner cuts 32 chunks (as FlashInfer does, whose merge spreads them over 4 threads
-// and a 4-stage pipeline). kMergeSlotBatch independent loads per round make it ceil(n / kMergeSlotBatch)
-// rounds; 8 float4 + 8 floats stay within the registers of a 512-thread block (head dim 512).
+// just before, so each load is an L2 round trip: folded slot by slot, a row of n slots was a chain
+// of 2n of them (the v load waited on the s test), which dominated batch-1 decode. kMergeSlotBatch
+// independent loads per round make it ceil(n / kMergeSlotBatch) rounds; 8 float4 + 8 floats stay
+// within the registers of a 512-thread block (head dim 512).
 constexpr int kMergeSlotBatch = 8;
 
 // Merges the partial slots [first, last) of one (row, qo_head) over the kCols fp32 columns from

@@ -92,28 +92,20 @@ struct DecodeTraits {
   // Tensor-core tiles (decode_mma.cuh): ring rows of whole 128-byte lines (16-bit hd 64 to 224,
   // fp8 hd 128 and 256) read for 4-8 heads, 16 rows per warp. The CUDA-core tile spends an FMA per
   // head on each element (and an fp8 cache a conversion per head group), so it is issue-bound at 4
-  // and 8 heads (fp8 at 4 heads: 695 SASS instructions per tile and warp against 316 here), which
-  // the MMAs remove. fp8 hd 64 (64-byte rows) keeps the CUDA-core tile.
+  // and 8 heads, which the MMAs remove. fp8 hd 64 (64-byte rows) keeps the CUDA-core tile.
   static constexpr int kWarps = kThreads / 32;
-  // A padded 16-bit row (hd 80, 96, 112 in a 128-column ring row) takes the MMA tile too: its k-steps
-  // and O^T chunks are the hd / 16 real ones (kMmaChunks), which never touch the padding cells.
-  // On the CUDA-core tile its padding lanes issue every load, conversion and FMA a real lane does,
-  // so such a row costs the instructions of hd 128 for hd / 128 of its bytes: issue-bound (measured
-  // on H200 at 4 heads, batch 64 x kv 4096: hd 80 and 96 in ~215-228 us, where memory alone needs
-  // ~160-190; hd 160 and 192, padded to 256, both ~425 us). A padded fp8 row keeps the CUDA-core
-  // tile: its MMA path splits each lane's K cells by hd / 4 (the whole row).
+  // A padded 16-bit row (hd 80, 96, 112 in 128 columns; 160, 192, 224 in 256) takes the MMA tile
+  // too: its k-steps and O^T chunks are the hd / 16 real ones (kMmaChunks), while on the CUDA-core
+  // tile its padding lanes issue every instruction a real lane does. A padded fp8 row keeps the
+  // CUDA-core tile: its MMA path splits each lane's K cells by hd / 4 (the whole row).
   // A position encoding keeps the CUDA-core tile: it rotates each K cell (RoPE) and biases each
   // finished score (ALiBi) where it holds them in registers, which the MMA fragments would scatter.
   // So does hd 512 (any cache, more than 32 cells a row).
-  // A 16-bit row of 256 columns (hd 160, 192, 224, padded) is 512 bytes: 64 such rows per tile
-  // would make the ring 192 KB (one CTA per SM, none on sm80). There warps work in pairs
-  // (kMmaSplit): a pair takes 16 rows of a 32-token tile, each warp its half of the hd / 16 real
-  // chunks, of Q.K^T (the pair adds its partial S through shared memory) and of O^T, so every MMA
-  // stays a full m16n8k16 and the ring 96 KB (2 CTAs per SM on sm90, 1 on sm80). Its padding
-  // costs nothing but ring space: ~41-44 SASS instructions per token and CTA at 4 heads, against
-  // 134 on the CUDA-core tile, whose padding lanes issue as real ones do (measured on H200 at 4
-  // heads, batch 64 x kv 4096: 73-89% of copy bandwidth, issue-bound). hd 256 (no padding, 97.6%)
-  // keeps the CUDA-core tile: the pair tile would leave sm80 one CTA, 64 KB in flight against 96.
+  // Rows of 512 bytes (256 columns) come in 32-token tiles with warps in pairs (kMmaSplit): a pair
+  // takes 16 rows, each warp half of the real chunks of Q.K^T (the pair adds its partial S through
+  // shared memory) and of O^T, so every MMA stays a full m16n8k16 and the ring 96 KB (2 CTAs per SM
+  // on sm90, 1 on sm80) instead of 192 KB. hd 256 (no padding) keeps the CUDA-core tile, already at
+  // the copy bandwidth: the pair tile would leave sm80 one CTA.
   static constexpr bool kMmaTile = kHeadsPerCta >= 4 && (!kPaddedRow || sizeof(DTypeKV) == 2) && kBdx % 8 == 0 &&
                                    kCellsPerLane == 1 &&
                                    (kHeadDim <= 128 || (sizeof(DTypeKV) == 1 && kHeadDim <= 256) ||
@@ -124,12 +116,10 @@ struct DecodeTraits {
   static constexpr int kMmaWarpChunks = kMmaChunks / kMmaSplit;  // 16-dim chunks of one warp (of q, K and O^T)
   static constexpr int kMmaRowBlocks = kWarps / kMmaSplit;  // 16-row blocks of a tile: the token lanes
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
-  // SM: more warps to hide shuffle and load latency, and ~130 KB of loads in flight per SM, which
-  // beat 4 stages at 3 CTAs per SM. A 16-bit tensor-core tile takes 16 KB (64 rows of 128 columns,
-  // or 32 of 256) and 2 CTAs per SM: the same bytes in flight. (Sizes count the ring's padded rows:
-  // a padded head dim has hd / kRowDim of them in flight, 80 KB per SM at hd 80 and 160, still
-  // twice the ~33 KB that 4.3 TB/s x ~1 us of DRAM latency asks of each of 132 SMs; sm80 fits one
-  // CTA of the 256-column tile, 40 KB in flight at hd 160.)
+  // SM: more warps to hide shuffle and load latency, and more loads in flight than 4 stages at 3
+  // CTAs per SM. A 16-bit tensor-core tile takes 16 KB (64 rows of 128 columns, or 32 of 256) and 2
+  // CTAs per SM: the same bytes in flight, of which a padded row's real share (kv_tiles.py bounds
+  // it from below) still covers the copy bandwidth times DRAM latency.
   static constexpr int kTileTokens = kMmaTile ? 16 * kMmaRowBlocks : 8192 / (kRowDim * int(sizeof(DTypeKV)));
   static constexpr int kTokensPerLane = kTileTokens / kBdz;
   static constexpr int kStages = 3;
