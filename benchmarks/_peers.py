@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -36,9 +37,9 @@ class PeerModule(NamedTuple):
 
 def timed_modules(fp8_head_dims) -> list[PeerModule]:
     """Every FlashInfer attention module the decode, prefill and fp8 benchmarks call with their
-    defaults (the peer test's bf16 hd 128 ones among them): bf16 on each path at HEAD_DIMS; the fp8 paths (e4m3 q/k/v on fa3, an e4m3 cache
-    under a bf16 query on fa2) at fp8_head_dims, and fp8-KV CUDA-core decode at hd 128 (the fp8
-    benchmark's decode table). Outputs are bf16 throughout."""
+    defaults (the peer test's bf16 hd 128 ones among them): bf16 on each path at HEAD_DIMS; the fp8
+    paths (e4m3 q/k/v on fa3, an e4m3 cache under a bf16 query on fa2) at fp8_head_dims, and fp8-KV
+    CUDA-core decode at hd 128 (the fp8 benchmark's decode table). Outputs are bf16 throughout."""
     bf16 = [PeerModule(kind, "bfloat16", "bfloat16", dim) for dim in HEAD_DIMS for kind in ("decode", "fa2", "fa3")]
     fp8 = [PeerModule("decode", "bfloat16", "float8_e4m3fn", 128)]
     fp8 += [m for dim in fp8_head_dims for m in (PeerModule("fa2", "bfloat16", "float8_e4m3fn", dim),
@@ -52,8 +53,6 @@ def prebuild(modules: list[PeerModule]) -> None:
     (15-100 s each, one after another). Not build_jit_specs' single ninja run: its dependency records
     stay in the cache's top folder, so the first call's ninja, run in the module's folder, finds none
     and compiles again. Modules FlashInfer ships prebuilt (AOT) are skipped: they load as they are."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from flashinfer.jit.attention import modules as jit
 
     specs = []

@@ -236,7 +236,7 @@ def sdpa_peer_us(problem: Problem, batch: int, causal: bool, name: str, backend,
             return None
 
 
-TORCH_WHERE = re.compile(r"\s*\(Triggered internally at [^)]*\)?.*$")
+TORCH_WHERE = re.compile(r"\s*\(Triggered internally at .*$")
 # what torch says of the backends the benchmark itself turned off (not why the pinned one refused)
 TORCH_NOISE = ("not used because:", "has been runtime disabled")
 
