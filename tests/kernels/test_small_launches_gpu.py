@@ -50,6 +50,7 @@ DECODES = {
     "cuda-cores-hd96-mma-tile-page5": DecodeLaunch(False, head_dim=96, page_size=5),  # padded rows, tensor cores
     "cuda-cores-hd192-warp-pairs": DecodeLaunch(False, head_dim=192),  # 32-token tile, warp pairs per 16 rows
     "tensor-cores-fa2": DecodeLaunch(True),
+    "tensor-cores-fa2-hd64": DecodeLaunch(True, head_dim=64),  # the 16-row tile's widest kv tile
     "tensor-cores-fa2-fp8-kv": DecodeLaunch(True, kv_dtype=E5M2, q_dtype=torch.float16),
     "tensor-cores-fa3-keys-along-m": DecodeLaunch(True, "fa3"),
     "tensor-cores-fa3-rows-64": DecodeLaunch(True, "fa3", group=16),
@@ -123,6 +124,8 @@ PREFILLS = {
     "fa3-paged-gathered-page5": PrefillLaunch("fa3", 5),
     "fa3-ragged": PrefillLaunch("fa3", None, causal=False),
     "fa3-hd192-128": PrefillLaunch("fa3", 16, head_dims=(192, 128)),
+    "fa3-ragged-hd192": PrefillLaunch("fa3", None, causal=False, head_dims=(192, 192)),
+    "fa2-paged-hd192": PrefillLaunch("fa2", 16, head_dims=(192, 192)),
     "fa3-fp8-paged": PrefillLaunch("fa3", 16, dtype=E4M3),
     "fa3-fp8-ragged": PrefillLaunch("fa3", None, dtype=E4M3),
     "fa3-fp8-paged-page5": PrefillLaunch("fa3", 5, dtype=E5M2),
