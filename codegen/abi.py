@@ -159,7 +159,7 @@ PREFILL_PLAN_ARGS = _struct(
     ("num_indices", "int32_t", "paged: entries in the page-id array; ragged: tokens in k and v"),
     ("num_kv_heads", "int32_t", "kv heads: CTAs one work item launches"),
     ("group_size", "int32_t", "num_qo_heads / num_kv_heads, folded into the q tile rows"),
-    ("head_dim_qk", "int32_t", "q/k head dim (cta_tile_q 128 needs <= 192)"),
+    ("max_cta_tile_q", "int32_t", "the tallest fa2 q tile the module compiled (128, or 64: kv_tiles.prefill_cta_tiles)"),
     ("fixed_cta_tile_q", "int32_t", "> 0: packed q rows per CTA, fixed (an fa3 kernel has one tile); 0: choose"),
     ("max_ctas", "int32_t", "CTAs the GPU holds at once (SMs x occupancy)"),
     ("causal", "int32_t", "1: key j visible only up to the query's position"),

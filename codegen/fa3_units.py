@@ -45,12 +45,13 @@ def fa3_tile_dim(spec: KernelSpec, head_dim: int) -> int:
 
 def fa3_kv_tile(spec: KernelSpec, paged: bool) -> int:
     """Keys per tile (PrefillTraits::kBlockN): 128, 64 for 16-bit tile dims over 320 in all or a qk
-    tile dim over 192, of which ragged kernels without soft cap or window take 80."""
+    tile dim over 192, of which ragged kernels without soft cap or window take 112 at a qk tile dim
+    of 192 (hd 160 and 192), else 80."""
     tile_qk = fa3_tile_dim(spec, spec.head_dim_qk)
     if spec.dtype_kv.is_fp8 or (tile_qk + fa3_tile_dim(spec, spec.head_dim_vo) <= 320 and tile_qk <= 192):
         return 128
     wide = not paged and not spec.use_logits_soft_cap and not spec.use_sliding_window
-    return 80 if wide else 64
+    return (112 if tile_qk <= 192 else 80) if wide else 64
 
 
 def fa3_extended_wgmma(spec: KernelSpec, paged: bool) -> bool:

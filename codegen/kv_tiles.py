@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fa3_units import fa3_kv_tile
+from .fa3_units import fa3_cta_tile, fa3_kv_tile
 from .spec import Backend, KernelSpec, PosEncoding
+
+# Packed query rows per CTA the prefill kernel is compiled for (plan() picks one per batch).
+PREFILL_CTA_TILES = (16, 64, 128)
 
 DECODE_THREADS = 128
 DECODE_WARPS = DECODE_THREADS // 32
@@ -100,6 +103,18 @@ def decode_tile(spec: KernelSpec, heads_per_cta: int) -> DecodeTile:
 def decode_kv_tile(spec: KernelSpec, heads_per_cta: int) -> int:
     """Keys per tile of the decode kernel serving heads_per_cta heads (decode_tile)."""
     return decode_tile(spec, heads_per_cta).tokens
+
+
+def prefill_cta_tiles(spec: KernelSpec) -> tuple[int, ...]:
+    """The prefill tiles a module compiles: FA3 has one; FA2 drops the 128-row tile where its o
+    accumulators beside the scores would not fit the registers: head dims over 192 (224, 256, 512),
+    and o past 160 columns ((192, 192): 644/824 B of spills at sm90a, where the 64-row tile has none).
+    The planners take the tallest (PrefillPlanArgs.max_cta_tile_q). At 512 each tile's CTAs also
+    split o's columns (prefill_vo_slices)."""
+    if spec.backend is Backend.FA3:
+        return (fa3_cta_tile(spec),)
+    tall = spec.head_dim_qk <= 192 and spec.head_dim_vo <= 160
+    return PREFILL_CTA_TILES if tall else PREFILL_CTA_TILES[:-1]
 
 
 def prefill_kv_tile(spec: KernelSpec, cta_tile_q: int, paged: bool) -> int:

@@ -17,27 +17,15 @@ from pathlib import Path
 import jinja2
 
 from . import abi
-from .fa3_units import INSTANCES, Instance, fa3_cta_tile, fa3_extended_wgmma, fa3_instances, fa3_kv_tile, fa3_tile_dim
-from .kv_tiles import decode_tile, prefill_kv_tile, prefill_vo_slices
+from .fa3_units import INSTANCES, Instance, fa3_extended_wgmma, fa3_instances, fa3_kv_tile, fa3_tile_dim
+from .kv_tiles import decode_tile, prefill_cta_tiles, prefill_kv_tile, prefill_vo_slices
 from .rules import ensure_valid
 from .sources import source_hash, templates_dir
 from .spec import Backend, KernelSpec, Kind, PosEncoding
 
 # Query heads per CTA the decode kernel is compiled for; any group size is served by tiling it.
 DECODE_HEADS_PER_CTA = (1, 2, 4, 8)
-# Packed query rows per CTA the prefill kernel is compiled for (plan() picks one per batch).
-PREFILL_CTA_TILES = (16, 64, 128)
 METADATA = "metadata.json"
-
-
-def prefill_cta_tiles(spec: KernelSpec) -> tuple[int, ...]:
-    """The prefill tiles a module compiles: FA3 has one; FA2 drops the 128-row tile above head dim
-    192 (224, 256, 512), where its o accumulators beside the scores would not fit the registers
-    (fa2/prefill_traits.cuh; the planners' cta_tile_q agrees). At 512 each tile's CTAs also split o's
-    columns (kv_tiles.prefill_vo_slices)."""
-    if spec.backend is Backend.FA3:
-        return (fa3_cta_tile(spec),)
-    return PREFILL_CTA_TILES if spec.head_dim_qk <= 192 else PREFILL_CTA_TILES[:-1]
 
 
 @dataclass(frozen=True)

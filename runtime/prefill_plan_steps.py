@@ -25,7 +25,7 @@ import torch
 
 from attnforge.codegen.dtypes import DType
 from attnforge.codegen.fa3_units import fa3_cta_tile
-from attnforge.codegen.kv_tiles import prefill_kv_tile
+from attnforge.codegen.kv_tiles import prefill_cta_tiles, prefill_kv_tile
 from attnforge.codegen.spec import Backend, PosEncoding
 
 from . import call_knobs, checks, dispatch, kv_cache
@@ -196,7 +196,8 @@ def schedule(module: Module, request: PlanRequest, options: KernelOptions, rows:
     num_indices: page ids staged (paged) or kv tokens (ragged), what kv_indptr may reach."""
     batch_size, group, page_size = request.batch_size, request.group, request.page_size
     fixed_tile = fa3_cta_tile(module.spec) if module.spec.backend is Backend.FA3 else 0
-    tile = fixed_tile or cta_tile_q(packed_len_estimate(rows, batch_size, group, graph), request.head_dim_qk)
+    max_tile = prefill_cta_tiles(module.spec)[-1]
+    tile = fixed_tile or cta_tile_q(packed_len_estimate(rows, batch_size, group, graph), max_tile)
     max_ctas = _max_ctas(module, tile, request.paged, device_index)
     fixed_tokens = split_tokens(options.fixed_split_size, page_size)
     capacity = prefill_work_capacity(rows, batch_size, group, tile, max_ctas, request.num_kv_heads)
@@ -223,7 +224,7 @@ def schedule(module: Module, request: PlanRequest, options: KernelOptions, rows:
         qo_indptr=request.qo_indptr.data_ptr(), kv_indptr=request.kv_indptr.data_ptr(),
         last_page_len=request.last_page_len.data_ptr() if request.paged else None, image=image.data_ptr(),
         batch_size=batch_size, paged=int(request.paged), page_size=page_size, num_indices=num_indices,
-        num_kv_heads=request.num_kv_heads, group_size=group, head_dim_qk=request.head_dim_qk,
+        num_kv_heads=request.num_kv_heads, group_size=group, max_cta_tile_q=max_tile,
         fixed_cta_tile_q=fixed_tile, max_ctas=max_ctas, causal=int(options.causal), window_left=options.window_left,
         fixed_split_tokens=fixed_tokens, disable_split_kv=int(options.disable_split_kv),
         min_chunk_tokens=MIN_CHUNK_TOKENS, chunk_align_tokens=prefill_kv_tile(module.spec, tile, request.paged),

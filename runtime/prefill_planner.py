@@ -24,10 +24,11 @@ __all__ = [
 ]
 
 
-def cta_tile_q(avg_packed_len: int, head_dim: int) -> int:
+def cta_tile_q(avg_packed_len: int, max_cta_tile_q: int) -> int:
     """Packed q rows per CTA: tall tiles amortize each kv load over more
-    rows, but on short prompts they would run mostly empty. head_dim is the q/k head dim."""
-    if avg_packed_len > 64 and head_dim <= 192:  # fa2 has no 128-row tile above 192
+    rows, but on short prompts they would run mostly empty. max_cta_tile_q: the module's tallest fa2
+    tile (codegen.kv_tiles.prefill_cta_tiles)."""
+    if avg_packed_len > 64 and max_cta_tile_q >= 128:
         return 128
     return 64 if avg_packed_len > 16 else 16
 
@@ -129,7 +130,7 @@ def plan_prefill_oracle(
     num_indices: int,
     num_kv_heads: int,
     group_size: int,
-    head_dim_qk: int,
+    max_cta_tile_q: int,
     max_ctas: int,
     causal: bool,
     window_left: int = -1,
@@ -155,7 +156,7 @@ def plan_prefill_oracle(
 
     total_rows = qo_indptr[batch]
     estimate = packed_len_estimate(layout.row_capacity if cuda_graph else total_rows, batch, g, cuda_graph)
-    tile_rows = fixed_cta_tile_q if fixed_cta_tile_q > 0 else cta_tile_q(estimate, head_dim_qk)
+    tile_rows = fixed_cta_tile_q if fixed_cta_tile_q > 0 else cta_tile_q(estimate, max_cta_tile_q)
 
     qo_lens, kv_lens, kv_los, tiles = [], [], [], []
     rows_without_keys = 0

@@ -64,7 +64,7 @@ def batches(draw, max_batch: int = 16, graph: bool | None = None):
         num_indices=kv_indptr[-1] + draw(st.sampled_from([0, 0, 3])),
         num_kv_heads=draw(st.sampled_from([1, 2, 4, 8, 32])),
         group_size=draw(st.integers(1, 8)),
-        head_dim_qk=draw(st.sampled_from([64, 128, 256])),
+        max_cta_tile_q=draw(st.sampled_from([64, 128])),  # the module's tallest fa2 tile
         max_ctas=132 * draw(st.integers(1, 8)),
         causal=draw(st.booleans()),
         window_left=draw(st.one_of(st.just(-1), st.integers(0, 2000))),
@@ -81,7 +81,7 @@ def tile_of(b: dict) -> int:
     if b.get("fixed_cta_tile_q"):
         return b["fixed_cta_tile_q"]
     rows = b["row_capacity"] if b["cuda_graph"] else b["qo_indptr"][-1]
-    return cta_tile_q(packed_len_estimate(rows, len(b["qo_lens"]), b["group_size"], b["cuda_graph"]), b["head_dim_qk"])
+    return cta_tile_q(packed_len_estimate(rows, len(b["qo_lens"]), b["group_size"], b["cuda_graph"]), b["max_cta_tile_q"])
 
 
 def layout_for(b: dict) -> PrefillPlanLayout:
@@ -94,7 +94,7 @@ def layout_for(b: dict) -> PrefillPlanLayout:
     return PrefillPlanLayout(batch, capacity, b["row_capacity"])
 
 
-ORACLE_KEYS = ("page_size", "num_indices", "num_kv_heads", "group_size", "head_dim_qk", "max_ctas", "causal",
+ORACLE_KEYS = ("page_size", "num_indices", "num_kv_heads", "group_size", "max_cta_tile_q", "max_ctas", "causal",
                "window_left", "fixed_split_tokens", "disable_split_kv", "chunk_align_tokens", "cuda_graph",
                "fixed_cta_tile_q")
 
@@ -264,7 +264,7 @@ def graph_pairs(draw):
     for qo in second_qo:
         qo_indptr.append(qo_indptr[-1] + qo)
     rows = max(first["qo_indptr"][-1], qo_indptr[-1]) + draw(st.integers(0, 64))
-    static = {k: first[k] for k in ("num_kv_heads", "group_size", "head_dim_qk", "max_ctas", "causal", "window_left",
+    static = {k: first[k] for k in ("num_kv_heads", "group_size", "max_cta_tile_q", "max_ctas", "causal", "window_left",
                                     "disable_split_kv", "page_size", "fixed_cta_tile_q",
                                     "chunk_align_tokens")}
     second = {**second, **static, "qo_lens": second_qo, "kv_lens": second_kv, "qo_indptr": qo_indptr,
@@ -323,7 +323,7 @@ def test_oracle_refuses_bad_host_arrays_naming_the_argument(b, draw_index):
 
 
 CAPACITY_CASE = dict(qo_lens=[512], kv_lens=[4096], qo_indptr=[0, 512], kv_indptr=[0, 4096], last_page_len=None,
-                     page_size=1, num_indices=4096, num_kv_heads=1, group_size=1, head_dim_qk=128, max_ctas=132,
+                     page_size=1, num_indices=4096, num_kv_heads=1, group_size=1, max_cta_tile_q=128, max_ctas=132,
                      causal=False, window_left=-1, fixed_split_tokens=64, disable_split_kv=False, chunk_align_tokens=1,
                      cuda_graph=False,
                      fixed_cta_tile_q=0,

@@ -178,7 +178,8 @@ struct PrefillTraits {
   // Keys per tile: Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192,
   // 128) head dims (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens:
   // the transposed V tile's kv rows must fill a 128-byte line. Ragged 16-bit hd 256 takes FA3's
-  // wider 80-key tile (224 KB), whose per-tile costs cover more keys; 144 keys at hd 128 would spill
+  // wider 80-key tile (224 KB), and a qk tile dim of 192 (hd 160, 192) a 112-key one (218 KB), whose
+  // per-tile costs cover more keys; 144 keys at hd 128 would spill
   // at 160 registers (ptxas then serializes the wgmmas, C7512). Paged kernels keep 128 or 64, which
   // every power-of-two page up to 128 divides, so their boxes are whole pages; soft cap and sliding
   // window too. kWideKvTile: the wider width, 0 where none applies.
@@ -186,7 +187,8 @@ struct PrefillTraits {
   // slack: (256, 64) and (224, 64) take the narrow tiles too.
   static constexpr int kHeadDims = kTileDimQK + kTileDimVO;
   static constexpr bool kNarrowKvTile = !kFp8 && (kHeadDims > 320 || kTileDimQK > 192);
-  static constexpr int kWideKvTile = !kPagedKV && !kSoftCap && !kSlidingWindow && kNarrowKvTile ? 80 : 0;
+  static constexpr int kWideKvTile =
+      !kPagedKV && !kSoftCap && !kSlidingWindow && kNarrowKvTile ? (kTileDimQK <= 192 ? 112 : 80) : 0;
   static constexpr int kBlockN = kWideKvTile != 0 ? kWideKvTile : kNarrowKvTile ? 64 : 128;
   // Pingpong between the two overlapping consumer warpgroups (scheduler_wait), so one's GEMMs run
   // under the other's softmax, except for 64-key tiles, whose short GEMMs leave nothing to hide;

@@ -5,7 +5,7 @@
 //   kv_len[r]    = paged ? (pages ? (pages - 1) * page_size + last_page_len : 0) : token count
 //   q_pos(t)     = t + kv_len - qo_len; packed row p of a request is (token p / g, head p % g)
 //   cta_tile_q   = fixed_cta_tile_q when > 0 (fa3); else 128 if the packed-length estimate > 64 and
-//                  head_dim_qk <= 192, else 64 if > 16,
+//                  the module has it (max_cta_tile_q), else 64 if > 16,
 //                  else 16; the estimate is total_rows * g / B, or under CUDA graphs the static
 //                  (row_capacity - B + 1) * g, so a captured graph keeps its variant.
 //   q tiles[r]   = ceil(qo_len * g / cta_tile_q)  (a request without queries has none)
@@ -47,8 +47,8 @@ constexpr int32_t kBadInput = 1;
 
 // The q tile height of every CTA in this plan: tall tiles amortize
 // each kv load over more rows, but on short prompts they would run mostly empty.
-inline int32_t cta_tile_q(int64_t packed_len_estimate, int32_t head_dim_qk) {
-  if (packed_len_estimate > 64 && head_dim_qk <= 192) return 128;  // fa2 has no 128-row tile above 192
+inline int32_t cta_tile_q(int64_t packed_len_estimate, int32_t max_cta_tile_q) {
+  if (packed_len_estimate > 64 && max_cta_tile_q >= 128) return 128;
   return packed_len_estimate > 16 ? 64 : 16;
 }
 
@@ -124,7 +124,7 @@ int32_t plan_prefill(const Args& a, Info* info) {
 
   const int64_t total_rows = qo_indptr[batch];
   const int64_t estimate = a.cuda_graph ? (int64_t(a.row_capacity) - batch + 1) * g : total_rows * g / batch;
-  const int32_t tile_rows = a.fixed_cta_tile_q > 0 ? a.fixed_cta_tile_q : prefill::cta_tile_q(estimate, a.head_dim_qk);
+  const int32_t tile_rows = a.fixed_cta_tile_q > 0 ? a.fixed_cta_tile_q : prefill::cta_tile_q(estimate, a.max_cta_tile_q);
 
   std::vector<prefill::Request> requests(batch);
   int64_t longest = 0, total_tiles = 0, rows_without_keys = 0;
