@@ -65,6 +65,14 @@ __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&c)[4], const
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A register of two 16-bit ones in T (an MMA operand that sums the other one's rows).
+template <typename T>
+inline constexpr uint32_t kOnes2 = 0;
+template <>
+inline constexpr uint32_t kOnes2<half> = 0x3C003C00u;
+template <>
+inline constexpr uint32_t kOnes2<__nv_bfloat16> = 0x3F803F80u;
+
 // Two fp32 values as one register of two 16-bit elements (lower address = x).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float x, float y);

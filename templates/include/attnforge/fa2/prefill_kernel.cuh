@@ -177,13 +177,16 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   common::cp_async_wait<0>();
   common::allow_dependent_grids();  // PDL: the next kernel (the merge, the next step) may start its launch
 
-  // Complete each row's denominator over the quad that shares it.
+  // Without T::kRowSumMma each lane summed its own columns: complete each row's denominator over the
+  // quad that shares it.
+  if constexpr (!T::kRowSumMma) {
 #pragma unroll
-  for (int mq = 0; mq < T::kMmaQ; ++mq) {
+    for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      st.d[mq][rr] += __shfl_xor_sync(0xffffffffu, st.d[mq][rr], 1);
-      st.d[mq][rr] += __shfl_xor_sync(0xffffffffu, st.d[mq][rr], 2);
+      for (int rr = 0; rr < 2; ++rr) {
+        st.d[mq][rr] += __shfl_xor_sync(0xffffffffu, st.d[mq][rr], 1);
+        st.d[mq][rr] += __shfl_xor_sync(0xffffffffu, st.d[mq][rr], 2);
+      }
     }
   }
   bad_page = __syncthreads_or(bad_page);  // also: every warp is done with the tiles

@@ -14,7 +14,8 @@
 //     prefill_loads.cuh's rope_k_tile) in natural order, and q keeps its natural order too; V is
 //     read as above.
 //   - compute_scores returns raw fp32 dot products; accumulate_pv takes base-2 probabilities in the
-//     score fragment and o's per-row rescale factors (softmax_update's alpha).
+//     score fragment and o's per-row rescale factors (softmax_update's alpha), and (T::kRowSumMma)
+//     adds each row's probabilities to d (the whole row's sum in every lane of its quad).
 //
 // Must not: scale, mask or exponentiate scores (o's rescale is the only scaling here), or touch
 // global memory.
@@ -232,6 +233,15 @@ __device__ __forceinline__ void accumulate_pv(const typename T::DTypeKV* v, int 
     for (int mq = 0; mq < T::kMmaQ; ++mq) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[mq][r] = common::pack2<DType>(s[mq][mk][2 * r], s[mq][mk][2 * r + 1]);
+      // d += P's row sums as P times a column of ones on the tensor pipe: one MMA for the 16 keys,
+      // where summing in fp32 took 16 adds a lane (and a quad reduction); it sums the rounded P
+      // that P.V weighs V with.
+      if constexpr (T::kRowSumMma) {
+        float sums[4] = {st.d[mq][0], st.d[mq][0], st.d[mq][1], st.d[mq][1]};
+        common::mma_m16n8k16<DType>(sums, a[mq], common::kOnes2<DType>, common::kOnes2<DType>);
+        st.d[mq][0] = sums[0];
+        st.d[mq][1] = sums[2];
+      }
     }
 #pragma unroll
     for (int step = 0; step < T::kMmaDVO / kChunks; ++step) {

@@ -5,7 +5,9 @@
 // Contract:
 //   - softmax_update turns a tile's scores into probabilities 2^(s * scale - m) in place,
 //     rescales d to the new max and returns o's factor (alpha), which accumulate_pv applies
-//     before its first MMA into each o chunk (prefill_mma.cuh). A row that has seen no visible key keeps m = -inf, d = 0,
+//     before its first MMA into each o chunk (prefill_mma.cuh). The tile's probabilities join d
+//     here, each lane its own (the quad reduced after the loop), or with T::kRowSumMma in
+//     accumulate_pv, whole rows (each lane of a quad holds its row's full sum). A row that has seen no visible key keeps m = -inf, d = 0,
 //     o = 0: exponents are then measured from 0, never from -inf.
 //   - merge_warp_states leaves the merged state in warp 0 (kWarpsKV > 1). Its states overwrite the
 //     tiles, so every warp must be done with them (the caller's barrier); each d must already be
@@ -21,8 +23,9 @@
 
 namespace attnforge::fa2 {
 
-// Online-softmax step: fold the tile's scores into (m, d), put o's rescale factor for each row in
-// alpha, and turn the scores into probabilities 2^(s * scale - m) in place. o is rescaled by
+// Online-softmax step: fold the tile's max into m, rescale d, put o's rescale factor for each row in
+// alpha, and turn the scores into probabilities 2^(s * scale - m) in place, summed into d here unless
+// accumulate_pv does (T::kRowSumMma). o is rescaled by
 // accumulate_pv, chunk by chunk beside the MMAs that read it (a separate pass over all of o made
 // ptxas shuffle the accumulators between registers). `scale` turns the scores into base-2 units:
 // sm_scale_log2 for raw scores, 1 once transform_scores has applied it.
@@ -56,7 +59,7 @@ __device__ __forceinline__ void softmax_update(float (&s)[T::kMmaQ][T::kMmaKV][8
         for (int e = 0; e < 8; ++e) {
           if (frag_row_half(e) == rr) {
             s[mq][mk][e] = common::fast_exp2(fmaf(s[mq][mk][e], scale, -m_safe));
-            st.d[mq][rr] += s[mq][mk][e];
+            if constexpr (!T::kRowSumMma) st.d[mq][rr] += s[mq][mk][e];
           }
         }
       }

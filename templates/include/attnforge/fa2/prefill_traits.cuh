@@ -136,6 +136,10 @@ struct PrefillTraits {
   // 128-row tile past hd 128 (hd 192: 11 LDL/STL per tile unrolled, 1 rolled).
   static constexpr int kUnrollQuartersQK = !kFp8KFragments && (kHeadDimQK <= 128 || (kMmaQ == 1 && kHeadDimQK <= 256)) ? 4 : 1;
   static constexpr int kChunksPerLoadVO = kFp8KV ? 2 : 1;
+  // P's row sums by an MMA against ones (accumulate_pv) rather than fp32 adds (softmax_update): fewer
+  // instructions and registers, except on the 128-row tile past 128 columns of o, where its operand
+  // copies add to the accumulators' spills (hd 160: 184/256 -> 220/284 B; 192: 644/824 -> 724/992).
+  static constexpr bool kRowSumMma = kMmaQ == 1 || kSliceVO <= 128;
   static constexpr int kMinCtasPerSm = kWide ? 1 : 2;
   static constexpr int kSm80SmemPerCta = 163 * 1024;  // the most an sm80 CTA may opt into
   // Without a bias or cap the scores stay raw dot products until the softmax, which folds
