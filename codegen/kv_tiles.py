@@ -128,7 +128,9 @@ def prefill_kv_tile(spec: KernelSpec, cta_tile_q: int, paged: bool) -> int:
     if warps_kv == 4:
         # an fp8 cache doubles the keys, unless RoPE adds its rotated fp16 K tile (kRotatedK16)
         doubled = spec.dtype_kv.is_fp8 and spec.pos_encoding is not PosEncoding.ROPE_LLAMA
-        mma_kv = (2 if spec.head_dim_qk <= 128 else 1) * (2 if doubled else 1)
+        # 16-bit hd 64 takes twice the keys too: as many bytes per tile as hd 128
+        blocks = 4 if spec.head_dim_qk <= 64 and not spec.dtype_kv.is_fp8 else 2 if spec.head_dim_qk <= 128 else 1
+        mma_kv = blocks * (2 if doubled else 1)
     elif mma_q == 2:
         mma_kv = 4
     elif prefill_vo_slices(spec) > 1:

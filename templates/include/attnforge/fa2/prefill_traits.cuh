@@ -96,7 +96,8 @@ struct PrefillTraits {
   // n16 kv blocks per warp (the tile-size choice, with kCtaTileQ from the planner): the score
   // fragment (kMmaQ x kMmaKV x 8 floats) stays <= 64 registers beside the o fragment, and Q + K + V
   // tiles (rows padded to whole 128-byte lines) stay <= ~110 KB so two CTAs share an SM:
-  //   16-row tiles (4 warps along kv): 128 keys up to hd 128, 64 above;
+  //   16-row tiles (4 warps along kv): 128 keys up to hd 128, 64 above; 256 at 16-bit hd 64, as many
+  //     bytes per tile as hd 128 (the decode-shaped tile is bound by the bytes it keeps in flight);
   //   64-row tiles: 128 keys up to hd 128 (hd 128: 80 KB; hd 80-112 pad to 128), 64 above (hd 256:
   //     96 KB; hd 224 pads to 256, hd 160 to 192: 72 KB);
   //   128-row tiles (two m16 blocks per warp, hd <= 192): 64 keys (hd 192: 96 KB).
@@ -107,7 +108,8 @@ struct PrefillTraits {
   //   112 KB), 64-row tiles take 32 (Q 64 + K 32 + V 16 = 112 KB), with the offsets 113 KB: one CTA
   //   per SM on sm80 (163 KB), two on sm90 (228 KB an SM, 1 KB of it reserved per CTA: the 16-row
   //   tile fills it to the byte). An fp8 cache's 16-row tile (128 keys, 114 KB) gets one.
-  static constexpr int kMmaKV = kWarpsKV == 4 ? (kHeadDimQK <= 128 ? 2 : 1) * (kFp8KV && !kRotatedK16 ? 2 : 1)
+  static constexpr int kMmaKV = kWarpsKV == 4 ? (kHeadDimQK <= 64 && !kFp8KV ? 4 : kHeadDimQK <= 128 ? 2 : 1) *
+                                                   (kFp8KV && !kRotatedK16 ? 2 : 1)
                                 : kMmaQ == 2  ? 4
                                 : kWide       ? 2
                                               : (kHeadDimQK <= 128 ? 8 : 4);
