@@ -141,6 +141,8 @@ struct PrefillTraits {
   // P's row sums by an MMA against ones (accumulate_pv) rather than fp32 adds (softmax_update): fewer
   // instructions and registers, except on the 128-row tile past 128 columns of o, where its operand
   // copies add to the accumulators' spills (hd 160: 184/256 -> 220/284 B; 192: 644/824 -> 724/992).
+  // The denominator then sums the 16-bit P that multiplies V (as FlashInfer's fa2 does), so the lse
+  // carries P's rounding: within P's unit roundoff of the fp32 sum (bf16: 2^-8, relative).
   static constexpr bool kRowSumMma = kMmaQ == 1 || kSliceVO <= 128;
   static constexpr int kMinCtasPerSm = kWide ? 1 : 2;
   static constexpr int kSm80SmemPerCta = 163 * 1024;  // the most an sm80 CTA may opt into
