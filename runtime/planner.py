@@ -51,20 +51,22 @@ class PlanLayout:
     capacity: int
     ctas_per_request: int
 
+    def _arrays(self) -> tuple[tuple[str, int], ...]:
+        """(name, int32 length) of each array after the header, in image order."""
+        return (("indptr", self.batch_size + 1), ("work_request", self.capacity), ("work_begin", self.capacity),
+                ("work_end", self.capacity), ("work_partial", self.capacity), ("partial_indptr", self.batch_size + 1),
+                ("kv_len", self.batch_size), ("merge_counters", self.batch_size * self.ctas_per_request))
+
     def offsets(self) -> dict[str, int]:
         out, cursor = {}, len(PLAN_HEADER)
-        for name, length in (("indptr", self.batch_size + 1), ("work_request", self.capacity),
-                             ("work_begin", self.capacity), ("work_end", self.capacity),
-                             ("work_partial", self.capacity), ("partial_indptr", self.batch_size + 1),
-                             ("kv_len", self.batch_size), ("merge_counters", self.batch_size * self.ctas_per_request)):
+        for name, length in self._arrays():
             out[f"off_{name}"] = cursor
             cursor += length
         return out
 
     @property
     def size(self) -> int:
-        return (len(PLAN_HEADER) + 2 * (self.batch_size + 1) + self.batch_size + 4 * self.capacity
-                + self.batch_size * self.ctas_per_request)
+        return len(PLAN_HEADER) + sum(length for _, length in self._arrays())
 
 
 def partial_bytes(num_partials: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
@@ -98,10 +100,12 @@ def split_chunk_tokens(longest: int, unsplit: bool, fixed_split_tokens: int, min
     if fixed_split_tokens > 0:
         return fixed_split_tokens
     lo, hi = min_chunk_tokens, max(longest, min_chunk_tokens)
+    hi_items = None  # items_for(hi), once the search has counted it (each count is a pass over the batch)
     while lo < hi:
         mid = (lo + hi) // 2
-        if items_for(mid) * ctas_per_item <= max_ctas:
-            hi = mid
+        items = items_for(mid)
+        if items * ctas_per_item <= max_ctas:
+            hi, hi_items = mid, items
         else:
             lo = mid + 1
     align = max(align_tokens, 1)  # why the tile and not lcm(page, tile): host/split_kv.h
@@ -109,7 +113,8 @@ def split_chunk_tokens(longest: int, unsplit: bool, fixed_split_tokens: int, min
     if aligned > longest:
         return lo
     keep_num, keep_den = ALIGN_KEEPS_ITEMS
-    return aligned if items_for(aligned) * keep_den >= items_for(lo) * keep_num else lo
+    lo_items = items_for(lo) if hi_items is None else hi_items  # lo == hi here
+    return aligned if items_for(aligned) * keep_den >= lo_items * keep_num else lo
 
 
 def plan_decode_oracle(

@@ -1,5 +1,5 @@
 // Role: merge the fp32 partial states of split requests into the final output, by base-2 LSE.
-// Contract: grid = (rows, ceil(num_qo_heads / kHeadsPerBlock)), block = (kHeadDim / 4,
+// Contract: grid = (rows, ceil(num_qo_heads / kHeadsPerBlock)), block = (kHeadDim / kMergeCols,
 //   kHeadsPerBlock). A row is one query token (a decode request, or a prefill query row); row i
 //   owns the consecutive partial slots [row_indptr[i], row_indptr[i + 1]) of the plan image;
 //   an empty range means the attention kernel already wrote o/lse for it, and the merge skips it.
@@ -65,16 +65,19 @@ struct MergeArgs {
 // within the registers of a 512-thread block (head dim 512).
 constexpr int kMergeSlotBatch = 8;
 
-// Merges the partial slots [first, last) of one (row, qo_head) over the kCols fp32 columns from
+// fp32 columns of o a merging thread takes: one float4 load of each partial. A head of kHeadDim
+// columns takes kHeadDim / kMergeCols threads, from column kMergeCols * thread.
+constexpr int kMergeCols = 4;
+
+// Merges the partial slots [first, last) of one (row, qo_head) over the kMergeCols fp32 columns from
 // `col`, joins the sink, and stores them to o (and lse, from the thread of column 0). The one merge
 // both the standalone kernel and the decode kernel's fused merge run. Partials are read with __ldcg:
 // in the fused merge other CTAs wrote them during this grid, so L1 may hold stale lines.
 template <typename DTypeO, int kHeadDim>
 __device__ __forceinline__ void merge_partial_row(const MergeArgs& p, int row_id, int qo_head, int first, int last,
                                                   int col) {
-  constexpr int kCols = 4;  // fp32 columns: one float4 load
   float m = kNegInf, d = 0.f;
-  float acc[kCols] = {};
+  float acc[kMergeCols] = {};
   bool poisoned = false;  // a chunk that read a bad page id: the whole row must come out NaN
   for (int base = first; base < last; base += kMergeSlotBatch) {
     float s[kMergeSlotBatch];
@@ -118,7 +121,7 @@ __device__ __forceinline__ void merge_partial_row(const MergeArgs& p, int row_id
   }
   DTypeO* o_row = static_cast<DTypeO*>(p.o) + row_id * p.o_stride_n + qo_head * p.o_stride_h + col;
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) o_row[c] = static_cast<DTypeO>(acc[c] * inv_d);
+  for (int c = 0; c < kMergeCols; ++c) o_row[c] = static_cast<DTypeO>(acc[c] * inv_d);
   if (p.lse != nullptr && col == 0) p.lse[int64_t(row_id) * p.num_qo_heads + qo_head] = lse;
 }
 
@@ -132,14 +135,14 @@ __global__ void merge_partials_kernel(const __grid_constant__ MergeArgs p) {
   const int last = p.plan[p.off_row_indptr + row_id + 1];
   if (first == last) return;
   allow_dependent_grids();  // the next kernel still waits for this grid's completion to read o
-  merge_partial_row<DTypeO, kHeadDim>(p, row_id, qo_head, first, last, threadIdx.x * 4);
+  merge_partial_row<DTypeO, kHeadDim>(p, row_id, qo_head, first, last, threadIdx.x * kMergeCols);
 }
 
 template <typename DTypeO, int kHeadDim>
 cudaError_t launch_merge_partials(const MergeArgs& p, cudaStream_t stream, bool pdl) {
   constexpr int kHeadsPerBlock = 4;
   const dim3 grid(p.rows, (p.num_qo_heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
-  const dim3 block(kHeadDim / 4, kHeadsPerBlock);
+  const dim3 block(kHeadDim / kMergeCols, kHeadsPerBlock);
   return host::launch_kernel(merge_partials_kernel<DTypeO, kHeadDim>, grid, block, 0, stream, pdl, p);
 }
 

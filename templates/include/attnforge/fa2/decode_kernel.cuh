@@ -70,13 +70,13 @@ __device__ __forceinline__ void merge_if_last(const typename T::Params& p, int32
                                static_cast<const float*>(p.tmp_v), static_cast<const float*>(p.tmp_s), p.o,
                                p.o_stride_n, p.o_stride_h, static_cast<float*>(p.lse),
                                static_cast<const float*>(p.sinks)};
-  constexpr int kColThreads = T::kHeadDim / 4;  // merge_partial_row's float4 columns
+  constexpr int kColThreads = T::kHeadDim / common::kMergeCols;  // merge_partial_row's threads per head
   const int first_slot = head_tile * T::kHeadsPerCta;
   for (int i = tid; i < T::kHeadsPerCta * kColThreads; i += T::kThreads) {
     const int h = i / kColThreads;
     if (first_slot + h >= p.group_size) break;
     common::merge_partial_row<typename T::DTypeO, T::kHeadDim>(args, request, kv_head * p.group_size + first_slot + h,
-                                                               first, last, (i % kColThreads) * 4);
+                                                               first, last, (i % kColThreads) * common::kMergeCols);
   }
 }
 

@@ -27,9 +27,11 @@ int64_t split_chunk_tokens(int64_t longest, bool unsplit, int64_t fixed_split_to
   if (unsplit) return std::max<int64_t>(longest, 1);
   if (fixed_split_tokens > 0) return fixed_split_tokens;
   int64_t lo = min_chunk_tokens, hi = std::max(longest, min_chunk_tokens);
+  int64_t hi_items = -1;  // items_for(hi), once the search has counted it (each count is a pass over the batch)
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
-    if (items_for(mid) * ctas_per_item <= max_ctas) hi = mid; else lo = mid + 1;
+    const int64_t items = items_for(mid);
+    if (items * ctas_per_item <= max_ctas) hi = mid, hi_items = items; else lo = mid + 1;
   }
   // The kernel's kv tile alone, not lcm(page, tile): rounding up never adds work items, so the
   // chunks stay within the slots; every tile but a range's last is full, and page sizes dividing
@@ -39,7 +41,8 @@ int64_t split_chunk_tokens(int64_t longest, bool unsplit, int64_t fixed_split_to
   const int64_t align = std::max<int64_t>(align_tokens, 1);
   const int64_t aligned = (lo + align - 1) / align * align;
   if (aligned > longest) return lo;
-  return items_for(aligned) * kAlignKeepsItemsDen >= items_for(lo) * kAlignKeepsItemsNum ? aligned : lo;
+  const int64_t lo_items = hi_items >= 0 ? hi_items : items_for(lo);  // lo == hi here
+  return items_for(aligned) * kAlignKeepsItemsDen >= lo_items * kAlignKeepsItemsNum ? aligned : lo;
 }
 
 }  // namespace attnforge::host
