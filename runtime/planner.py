@@ -40,22 +40,11 @@ def work_capacity(batch_size: int, max_ctas: int, ctas_per_request: int) -> int:
     return max(batch_size, max_ctas // ctas_per_request, 1)
 
 
-@dataclass(frozen=True)
-class PlanLayout:
-    """Offsets (int32 elements) of the arrays in the plan image: the header, indptr[batch+1], four
-    work arrays of `capacity` entries (request, begin, end, partial slot), partial_indptr[batch+1],
-    kv_len[batch] (the position encodings place the query at kv_len - 1), and the fused merge's
-    arrival counters, one per CTA unit of a request: [batch, ctas_per_request], zeroed by plan()."""
-
-    batch_size: int
-    capacity: int
-    ctas_per_request: int
+class ImageLayout:
+    """A plan image's layout: the header, then the arrays `_arrays()` names, in order (int32 elements)."""
 
     def _arrays(self) -> tuple[tuple[str, int], ...]:
-        """(name, int32 length) of each array after the header, in image order."""
-        return (("indptr", self.batch_size + 1), ("work_request", self.capacity), ("work_begin", self.capacity),
-                ("work_end", self.capacity), ("work_partial", self.capacity), ("partial_indptr", self.batch_size + 1),
-                ("kv_len", self.batch_size), ("merge_counters", self.batch_size * self.ctas_per_request))
+        raise NotImplementedError
 
     def offsets(self) -> dict[str, int]:
         out, cursor = {}, len(PLAN_HEADER)
@@ -67,6 +56,23 @@ class PlanLayout:
     @property
     def size(self) -> int:
         return len(PLAN_HEADER) + sum(length for _, length in self._arrays())
+
+
+@dataclass(frozen=True)
+class PlanLayout(ImageLayout):
+    """The decode plan image: the header, indptr[batch+1], four work arrays of `capacity` entries
+    (request, begin, end, partial slot), partial_indptr[batch+1], kv_len[batch] (the position
+    encodings place the query at kv_len - 1), and the fused merge's arrival counters, one per CTA
+    unit of a request: [batch, ctas_per_request], zeroed by plan()."""
+
+    batch_size: int
+    capacity: int
+    ctas_per_request: int
+
+    def _arrays(self) -> tuple[tuple[str, int], ...]:
+        return (("indptr", self.batch_size + 1), ("work_request", self.capacity), ("work_begin", self.capacity),
+                ("work_end", self.capacity), ("work_partial", self.capacity), ("partial_indptr", self.batch_size + 1),
+                ("kv_len", self.batch_size), ("merge_counters", self.batch_size * self.ctas_per_request))
 
 
 def partial_bytes(num_partials: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnforge.codegen.abi import PLAN_HEADER
-from attnforge.planner import MIN_CHUNK_TOKENS, PlanError, split_chunk_tokens
+from attnforge.planner import MIN_CHUNK_TOKENS, ImageLayout, PlanError, split_chunk_tokens
 
 __all__ = [
     "PrefillPlanLayout",
@@ -59,10 +59,10 @@ def prefill_partial_capacity(work_capacity: int, tile: int, group_size: int) -> 
 
 
 @dataclass(frozen=True)
-class PrefillPlanLayout:
-    """Offsets (int32 elements) of the arrays in the plan image: the header; qo_indptr and
-    kv_indptr [batch+1]; kv_len and num_chunks [batch]; five work arrays of `capacity` entries
-    (request, q tile, kv begin, kv end, partial slot); merge_indptr [row_capacity+1]."""
+class PrefillPlanLayout(ImageLayout):
+    """The prefill plan image: the header; qo_indptr and kv_indptr [batch+1]; kv_len and num_chunks
+    [batch]; five work arrays of `capacity` entries (request, q tile, kv begin, kv end, partial
+    slot); merge_indptr [row_capacity+1]."""
 
     batch_size: int
     capacity: int
@@ -73,17 +73,6 @@ class PrefillPlanLayout:
         return (("qo_indptr", batch + 1), ("kv_indptr", batch + 1), ("kv_len", batch), ("num_chunks", batch),
                 ("work_request", capacity), ("work_qo_tile", capacity), ("work_kv_begin", capacity),
                 ("work_kv_end", capacity), ("work_partial", capacity), ("merge_indptr", self.row_capacity + 1))
-
-    def offsets(self) -> dict[str, int]:
-        out, cursor = {}, len(PLAN_HEADER)
-        for name, length in self._arrays():
-            out[f"off_{name}"] = cursor
-            cursor += length
-        return out
-
-    @property
-    def size(self) -> int:
-        return len(PLAN_HEADER) + sum(length for _, length in self._arrays())
 
 
 @dataclass(frozen=True)
