@@ -473,7 +473,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         params.enable_pdl = dispatch.pdl_flag(enable_pdl, self._device_index)
         plan.module.check(plan.module.fns["decode_run"](ctypes.byref(params), current_stream(self._device_index)),
                           "decode run")
-        if params.debug_sync:
+        if params.debug_sync and not torch.cuda.is_current_stream_capturing():  # a captured run has not run yet
             self._raise_kernel_errors()
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)

@@ -33,7 +33,9 @@ class Settings:
     cache_dir: Path  # ATTNFORGE_CACHE_DIR, else the first writable default (see default_cache_dirs)
     cache_dir_from_env: bool  # whether cache_dir came from ATTNFORGE_CACHE_DIR (errors then name it)
     cuda_arch_list: tuple[Arch, ...] | None  # ATTNFORGE_CUDA_ARCH_LIST="8.0 9.0a": override the device's arch
-    debug: bool  # ATTNFORGE_DEBUG=1: synchronize and check after every kernel, raise on kernel error bits
+    # ATTNFORGE_DEBUG=1: synchronize and check after every kernel, raise on kernel error bits (while a
+    # CUDA graph captures, the launch only: the kernels run at replay)
+    debug: bool
     verbose: bool  # ATTNFORGE_JIT_VERBOSE=1: stream the compiler's output
     max_jobs: int | None  # MAX_JOBS: parallel nvcc processes (about 1.5 GB each)
     nvcc: str | None  # ATTNFORGE_NVCC, else $CUDA_HOME/bin/nvcc, else nvcc on the PATH

@@ -601,10 +601,13 @@ def test_repeated_runs_after_one_plan_merge_every_time(group, fixed_split_size):
         check_against_reference(case, b, o, lse)
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
 @pytest.mark.parametrize("group", [4, 16])
-def test_cuda_graph_replays_of_a_split_batch_merge_every_time(group):
+def test_cuda_graph_replays_of_a_split_batch_merge_every_time(group, debug, monkeypatch):
     """One plan, one capture, three replays with new q: the fused merge's counters reset themselves
-    inside the graph (no plan() between replays)."""
+    inside the graph (no plan() between replays). With ATTNFORGE_DEBUG=1 the capture checks the
+    launches without synchronizing (which would invalidate it)."""
+    monkeypatch.setenv("ATTNFORGE_DEBUG", "1" if debug else "0")
     case = _split_case(group)
     b = make_batch(case)
     batch = len(case.kv_lens)

@@ -141,10 +141,13 @@ def test_last_row_of_each_request_equals_single_token_decode(backend):
     torch.testing.assert_close(lse[last_rows], lse1, **LSE_TOL)
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
-def test_cuda_graph_replays_multi_token_decode_after_replan(backend):
+def test_cuda_graph_replays_multi_token_decode_after_replan(backend, debug, monkeypatch):
     """Capture run() once with q_len_per_req=3, re-plan with other lengths, replay: each replay equals
-    the reference. A plan with another q_len_per_req is refused (the graph fixed it)."""
+    the reference. A plan with another q_len_per_req is refused (the graph fixed it). With
+    ATTNFORGE_DEBUG=1 (the prefill kernel's wrapper) the capture checks launches without synchronizing."""
+    monkeypatch.setenv("ATTNFORGE_DEBUG", "1" if debug else "0")
     first = Case(backend, torch.bfloat16, 3, [40, 700, 3, 129], num_kv_heads=2, group=4, seed=5)
     second = Case(backend, torch.bfloat16, 3, [1500, 3, 64, 900], num_kv_heads=2, group=4, seed=6)
     pool = sum(math.ceil(n / PAGE) for c in (first, second) for n in c.kv_lens) + 3

@@ -22,11 +22,18 @@ inline int32_t fail(int32_t code, const std::string& message) {
   return code;
 }
 
-// Checks a launch (and, when debugging, its completion); 0 on success.
+// Whether `stream` is capturing a CUDA graph: its launches run at replay, and synchronizing it
+// would invalidate the capture.
+inline bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
+}
+
+// Checks a launch (and, when debugging outside a graph capture, its completion); 0 on success.
 inline int32_t check_kernel(cudaError_t launch, const char* uri, const char* kernel, cudaStream_t stream,
                             bool debug_sync) {
   cudaError_t err = launch;
-  if (err == cudaSuccess && debug_sync) err = cudaStreamSynchronize(stream);
+  if (err == cudaSuccess && debug_sync && !capturing(stream)) err = cudaStreamSynchronize(stream);
   if (err == cudaSuccess) return 0;
   return fail(static_cast<int32_t>(err), std::string(uri) + ": " + kernel + ": " + cudaGetErrorName(err) + ": " +
                                              cudaGetErrorString(err));
