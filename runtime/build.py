@@ -1,6 +1,7 @@
 """Build a module: render its sources into the cache, write build.ninja, run ninja (nvcc).
 
-Cache layout, one folder per uri under $ATTNFORGE_CACHE_DIR/<attnforge version>/:
+Cache layout, one folder per uri under cache_root(): $ATTNFORGE_CACHE_DIR/<attnforge version>/, or
+<attnforge version>/options-<hash>/ when build options the uri does not cover are set (build_options):
     <uri>/src/            rendered sources (written only when different)
     <uri>/build.<pid>.*/  one build in progress: build.ninja, objects, the staged library. Each build
                           has its own folder, so a compiler orphaned by a killed build never writes
@@ -20,6 +21,7 @@ import contextlib
 import ctypes
 import functools
 import fcntl
+import hashlib
 import logging
 import os
 import shlex
@@ -80,9 +82,25 @@ def version() -> str:
         return "dev"
 
 
+def build_options(config: Settings) -> tuple[str, ...]:
+    """What changes a module's binary besides its uri (spec, sources, attnforge's own flags): the
+    user's ATTNFORGE_EXTRA_CUDAFLAGS and a CUTLASS_DIR checkout (FA3's CuTe headers)."""
+    cutlass = (f"CUTLASS_DIR={config.cutlass_dir.expanduser().absolute()}",) if config.cutlass_dir else ()
+    return (*config.extra_cuda_flags, *cutlass)
+
+
+def cache_root(config: Settings) -> Path:
+    """The folder of this attnforge version's modules built with config's build options: modules
+    built with other options live elsewhere, so neither loads as the other."""
+    root = config.cache_dir / version()
+    options = build_options(config)
+    if not options:
+        return root
+    return root / f"options-{hashlib.sha256(chr(0).join(options).encode()).hexdigest()[:12]}"
+
+
 def module_dir(spec: KernelSpec, config: Settings | None = None) -> Path:
-    config = config or read_settings()
-    return config.cache_dir / version() / spec.uri
+    return cache_root(config or read_settings()) / spec.uri
 
 
 def library_path(spec: KernelSpec, config: Settings | None = None) -> Path:

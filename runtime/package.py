@@ -23,7 +23,7 @@ from attnforge.codegen.sources import source_hash
 from attnforge.codegen.spec import KernelSpec
 
 from . import integrity
-from .build import library_path, version
+from .build import build_options, cache_root, library_path, version
 from .prebuilt import ENTRY_POINT_GROUP, FORMAT, INDEX_NAME
 from .settings import Settings
 
@@ -59,11 +59,12 @@ def nvcc_version(config: Settings) -> str | None:
     return lines[-1].strip() if result.returncode == 0 and lines else None
 
 
-def module_record(spec: KernelSpec, data: bytes, nvcc: str | None) -> dict:
-    """prebuilt.json's entry for one module; `data` is its library's bytes."""
+def module_record(spec: KernelSpec, data: bytes, nvcc: str | None, options: tuple[str, ...]) -> dict:
+    """prebuilt.json's entry for one module; `data` is its library's bytes, `options` its build options."""
     return {
         "spec": spec.to_dict(),
         "source_hash": source_hash(),
+        "build_options": list(options),
         "archs": [arch.value for arch in spec.archs],
         "nvcc_version": nvcc,
         "library": f"{spec.uri}/{spec.uri}.so",
@@ -76,7 +77,7 @@ def cached_specs(config: Settings) -> list[KernelSpec]:
     """The specs of every module this attnforge version has built in config.cache_dir whose library
     verifies (what `attnforge package --from-cache` ships: e.g. every module a test run compiled)."""
     specs = []
-    for meta in sorted((config.cache_dir / version()).glob("*/src/metadata.json")):
+    for meta in sorted(cache_root(config).glob("*/src/metadata.json")):
         try:
             spec = KernelSpec.from_dict(json.loads(meta.read_text())["spec"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -100,7 +101,7 @@ def write_wheel(specs: Sequence[KernelSpec], name: str, out_dir: Path, config: S
     for spec in specs:
         library = library_path(spec, config)
         data = library.read_bytes()
-        records[spec.uri] = module_record(spec, data, nvcc)
+        records[spec.uri] = module_record(spec, data, nvcc, build_options(config))
         files[f"{package}/{spec.uri}/{spec.uri}.so"] = data
         files[f"{package}/{spec.uri}/src/binding.py"] = (library.parent / "src" / "binding.py").read_bytes()
     index = {"format": FORMAT, "attnforge_version": release, "modules": records}

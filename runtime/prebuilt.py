@@ -6,12 +6,14 @@ ATTNFORGE_PREBUILT_PATH (searched first, in order), then the packages of install
 register an entry point in the group `attnforge.prebuilt` (the wheels `attnforge package` writes).
 
 Lookups are read-only: no lock, no write, no compiler. A package built by another attnforge version
-is ignored with one log line. A library whose size or sha256 differs from its record is skipped with
+is ignored with one log line. A module built with other build options (build.build_options: the
+user's extra nvcc flags, a CUTLASS_DIR) than the reader's is not used. A library whose size or sha256 differs from its record is skipped with
 one warning, and the module then comes from the cache like any other.
 
 prebuilt.json (written by attnforge.package):
     {"format": 1, "attnforge_version": "0.1.0",
      "modules": {"<uri>": {"spec": {KernelSpec.to_dict()}, "source_hash": "<sha256 of templates>",
+                           "build_options": ["<ATTNFORGE_EXTRA_CUDAFLAGS word>", "CUTLASS_DIR=<path>"],
                            "archs": ["90a"], "nvcc_version": "<last line of nvcc --version>",
                            "library": "<uri>/<uri>.so", "size": <bytes>, "sha256": "<hex>"}}}
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 from attnforge.codegen.spec import KernelSpec
 
 from . import integrity
-from .build import version
+from .build import build_options, version
 from .settings import Settings, settings as read_settings
 
 log = logging.getLogger("attnforge")
@@ -46,13 +48,14 @@ class Record:
     library: Path
     size: int
     sha256: str
+    options: tuple[str, ...]  # build.build_options at packaging (absent in a record: none)
 
 
 def find(spec: KernelSpec, config: Settings | None = None) -> Path | None:
     """The verified library of `spec` in a prebuilt package, or None (then the cache serves it)."""
     config = config or read_settings()
     record = _index(package_roots(config)).get(spec.uri)
-    if record is None or not _verified(record):
+    if record is None or record.options != build_options(config) or not _verified(record):
         return None
     return record.library
 
@@ -102,11 +105,17 @@ def _read_package(root: Path) -> dict[str, Record]:
                     "(rebuild it with `attnforge package`)", root, built_by, version())
         return {}
     try:
-        return {uri: Record(root / entry["library"], int(entry["size"]), str(entry["sha256"]))
-                for uri, entry in data["modules"].items()}
+        return {uri: _record(root, entry) for uri, entry in data["modules"].items()}
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         log.warning("%s is malformed (%s: %s); prebuilt package ignored", path, type(exc).__name__, exc)
         return {}
+
+
+def _record(root: Path, entry: dict) -> Record:
+    options = entry.get("build_options", [])
+    if not (isinstance(options, list) and all(isinstance(word, str) for word in options)):
+        raise TypeError(f"build_options must be a list of strings, got {options!r}")
+    return Record(root / entry["library"], int(entry["size"]), str(entry["sha256"]), tuple(options))
 
 
 def _verified(record: Record) -> bool:

@@ -4,6 +4,7 @@ with their compiler output, --arch replacing the manifest's archs, and bad input
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,27 @@ def test_build_failure_exits_nonzero_naming_the_module_and_compiler_output(tiny_
     assert "no-such-nvcc-flag" in captured.err  # nvcc's own complaint, from the compiler tail
     assert "FAILED" in captured.out and "0 built, 0 cached, 1 failed" in captured.out
     assert not library_path(tiny_build.spec, _cache_settings(tmp_path / "cache")).exists()
+
+
+@pytest.mark.nvcc
+def test_extra_cuda_flags_build_a_module_of_their_own(tiny_build, tmp_path, monkeypatch, capsys):
+    """ATTNFORGE_EXTRA_CUDAFLAGS is not in the uri: with it set, the module builds into a folder of its
+    own instead of the plain module being taken for it, and the plain one is left as it was."""
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_build.cache, cache)
+    plain = library_path(tiny_build.spec, _cache_settings(cache))
+    pristine = plain.read_bytes()
+    build = ["build", "--manifest", str(tiny_build.manifest), "--cache-dir", str(cache)]
+    monkeypatch.setenv("ATTNFORGE_EXTRA_CUDAFLAGS", "-lineinfo")
+    assert main(build) == 0
+    assert "1 built, 0 cached, 0 failed" in capsys.readouterr().out
+    flagged = library_path(tiny_build.spec, _cache_settings(cache))
+    assert flagged.parent.parent.name.startswith("options-") and integrity.problem(flagged) is None
+    assert flagged.read_bytes() != pristine  # -lineinfo adds the line table
+    assert plain.read_bytes() == pristine
+    monkeypatch.delenv("ATTNFORGE_EXTRA_CUDAFLAGS")
+    assert main(build) == 0
+    assert "0 built, 1 cached, 0 failed" in capsys.readouterr().out
 
 
 def test_arch_replaces_the_manifest_archs(tmp_path, capsys):

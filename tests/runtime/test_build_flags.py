@@ -4,6 +4,7 @@ wgmma shapes define them themselves, tests/codegen/test_fa3_units.py); a ptxas r
 from __future__ import annotations
 
 import stat
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -69,3 +70,18 @@ def test_serialized_wgmma_report_fails_the_build(tmp_path, monkeypatch, report):
     with pytest.raises(BuildError, match="serialized wgmma") as raised:
         build_module._run_ninja(tmp_path, _config(verbose=False))
     assert report.split(":")[1].split(")")[0].strip(" (") in str(raised.value)
+
+
+@pytest.mark.parametrize("changes", [{"extra_cuda_flags": ("-lineinfo",)}, {"cutlass_dir": Path("/opt/cutlass")}],
+                         ids=["extra_cuda_flags", "cutlass_dir"])
+def test_build_options_outside_the_uri_get_a_cache_folder_of_their_own(tmp_path, changes):
+    """The uri covers the spec, the sources and attnforge's own flags, not the user's: a module built
+    with ATTNFORGE_EXTRA_CUDAFLAGS or a CUTLASS_DIR must not load as (or over) the plain one."""
+    plain = _config(cache_dir=tmp_path, extra_cuda_flags=(), cutlass_dir=None)
+    other = replace(plain, **changes)
+    assert build_module.module_dir(FA3, plain) == tmp_path / build_module.version() / FA3.uri
+    assert build_module.module_dir(FA3, other).parent.parent == plain.cache_dir / build_module.version()
+    assert build_module.module_dir(FA3, other).parent.name.startswith("options-")
+    assert build_module.module_dir(FA3, other) == build_module.module_dir(FA3, replace(other))  # stable
+    assert build_module.module_dir(FA3, other) != build_module.module_dir(
+        FA3, replace(other, extra_cuda_flags=("-lineinfo", "-G")))

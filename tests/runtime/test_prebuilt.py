@@ -84,7 +84,7 @@ def test_wheel_records_each_module(wheel, tiny_build):
     nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     assert index["attnforge_version"] == version()
     assert index["modules"] == {spec.uri: {
-        "spec": spec.to_dict(), "source_hash": source_hash(), "archs": ["80"], "nvcc_version": nvcc,
+        "spec": spec.to_dict(), "source_hash": source_hash(), "build_options": [], "archs": ["80"], "nvcc_version": nvcc,
         "library": f"{spec.uri}/{spec.uri}.so", "size": len(cached), "sha256": hashlib.sha256(cached).hexdigest()}}
     assert library == cached
 
@@ -161,6 +161,22 @@ def test_prebuilt_path_folder_is_found(installed, tiny_build, monkeypatch):
     monkeypatch.setenv("ATTNFORGE_PREBUILT_PATH", os.pathsep.join(["", str(installed / PACKAGE)]))
     uri = tiny_build.spec.uri
     assert prebuilt.find(tiny_build.spec) == installed / PACKAGE / uri / f"{uri}.so"
+
+
+def test_module_built_with_other_build_options_is_not_used(installed, tiny_build, tmp_path, monkeypatch):
+    """A package records its build options (extra nvcc flags, CUTLASS_DIR); a reader with other ones
+    builds its own module instead, as the cache does."""
+    folder = tmp_path / "lineinfo"
+    shutil.copytree(installed / PACKAGE, folder)
+    index = json.loads((folder / "prebuilt.json").read_text())
+    index["modules"][tiny_build.spec.uri]["build_options"] = ["-lineinfo"]
+    (folder / "prebuilt.json").write_text(json.dumps(index))
+    monkeypatch.setenv("ATTNFORGE_PREBUILT_PATH", str(folder))
+    monkeypatch.delenv("ATTNFORGE_EXTRA_CUDAFLAGS", raising=False)
+    assert prebuilt.find(tiny_build.spec) is None
+    monkeypatch.setenv("ATTNFORGE_EXTRA_CUDAFLAGS", "-lineinfo")
+    uri = tiny_build.spec.uri
+    assert prebuilt.find(tiny_build.spec) == folder / uri / f"{uri}.so"
 
 
 @pytest.mark.parametrize("damage, why", [
