@@ -24,7 +24,10 @@ K/V read per call is 4 MB to 17 GB against a 50-60 MB L2, so only the smallest c
 --flush-l2 writes a 512 MB buffer before each timed call or replay, outside the timed region: in a
 graph only its first run starts from a flushed L2, so use it with --eager). GB/s counts the bytes a
 decode must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy
-bandwidth is a ~4 GB device-to-device tensor copy in the same process, counting read + write bytes.
+bandwidth is a ~4 GB device-to-device tensor copy in the same process, counting read + write bytes;
+each row also times a copy of its own bytes (half read, half written) as its run() calls are timed:
+the bandwidth-bound time at that size, launch and ramp included (a 67 MB read cannot run at a 4 GB
+copy's rate), the floor for the small shapes.
 The SDPA peers get a dense bf16 [B, Hkv, L, D] cache holding the same contents as the paged one; they
 run on the bf16 rows only.
 Every row times ours on CUDA cores and on tensor cores (use_tensor_cores=True, the prefill kernel:
@@ -227,6 +230,9 @@ class Row:
     flashinfer_tc_us: float | None = None
     flashinfer_max_abs_vs_ours: float | None = None  # the worse of its two paths' outputs against ours
     head_dim: int = HEAD_DIM
+    # A D2D copy moving the row's bytes (read + write), same timer: the bandwidth-bound time at this
+    # size, launch and ramp included, which a small decode cannot beat however fast its loop
+    copy_us: float | None = None
 
 
 def verify(problem: Problem, layout: str) -> dict:
@@ -260,6 +266,14 @@ def timed_us(run, args, flush, notes: list, what: str) -> float:
     return time_cuda_us(run, args.iters, args.warmup, flush)
 
 
+def same_bytes_copy_us(nbytes: int, args, flush) -> float:
+    """µs of a device-to-device copy of nbytes / 2 bytes (so nbytes read + written), timed as the rows'
+    run() calls are (timed_us)."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return timed_us(lambda: dst.copy_(src), args, flush, [], "copy")
+
+
 def skipped_row(kv_name: str, head_dim: int, batch: int, kv_len: int, why: str) -> Row:
     """A shape that was not run: n/a in every cell, why in the notes."""
     return Row(kv_name, batch, kv_len, None, None, None, None, None, None, notes=why, head_dim=head_dim)
@@ -269,6 +283,7 @@ def measure(kv_name: str, head_dim: int, batch: int, kv_len: int, args, copy_gbp
     from torch.nn.attention import SDPBackend
 
     problem = make_problem(batch, kv_len, args.layout, KV_DTYPES[kv_name], head_dim=head_dim)
+    nbytes = problem.bytes_moved
     notes = []
     run, out = attnforge_decode(problem, args.layout)
     us = timed_us(run, args, flush, notes, "ours")
@@ -296,11 +311,14 @@ def measure(kv_name: str, head_dim: int, batch: int, kv_len: int, args, copy_gbp
             notes.append(f"{name} n/a: {str(exc).splitlines()[0][:120]}")
     del problem
     torch.cuda.empty_cache()
+    copy_us = same_bytes_copy_us(nbytes, args, flush)  # with the problem freed: the largest rows fit either way
+    torch.cuda.empty_cache()
     return Row(
         kv_name, batch, kv_len, us, gbps, 100.0 * gbps / copy_gbps, peers["cudnn"], peers["flash"],
         us / peers["cudnn"] if peers["cudnn"] else None, tc_us, tc_pct,
         notes="; ".join(notes),
         cudnn_max_abs_vs_ours=errors["cudnn"], flash_max_abs_vs_ours=errors["flash"], head_dim=head_dim,
+        copy_us=copy_us,
     )
 
 
@@ -445,15 +463,16 @@ def markdown(rows: list[Row], copy_gbps: float, plans: dict, first_call_s: float
         "",
         "| kv dtype | head dim | batch | kv len | time (µs) | GB/s | % of copy BW | tensor cores (µs) "
         "| TC % of copy BW | SDPA cuDNN (µs) | SDPA FLASH (µs) | ours / cuDNN | speed-up vs bf16 KV "
-        "| FlashInfer CUDA cores (µs) | FlashInfer tensor cores (µs) | notes |",
-        "| --- |" + " ---: |" * 14 + " --- |",
+        "| FlashInfer CUDA cores (µs) | FlashInfer tensor cores (µs) | copy of the same bytes (µs) | notes |",
+        "| --- |" + " ---: |" * 15 + " --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r.kv_dtype} | {r.head_dim} | {r.batch} | {r.kv_len} | {_fmt(r.us)} | {_fmt(r.gbps, '.0f')} | "
             f"{_fmt(r.pct_copy_bw)} | {_fmt(r.tc_us)} | {_fmt(r.tc_pct_copy_bw)} | "
             f"{_fmt(r.cudnn_us)} | {_fmt(r.flash_us)} | {_fmt(r.ratio_vs_cudnn, '.3f')} | "
-            f"{_fmt(r.speedup_vs_bf16_kv, '.2f')} | {_fmt(r.flashinfer_us)} | {_fmt(r.flashinfer_tc_us)} | {r.notes} |"
+            f"{_fmt(r.speedup_vs_bf16_kv, '.2f')} | {_fmt(r.flashinfer_us)} | {_fmt(r.flashinfer_tc_us)} | "
+            f"{_fmt(r.copy_us)} | {r.notes} |"
         )
     if plans:
         lines += ["", f"| batch | plan() host time (µs, median, kv len {PLAN_KV_LEN}) |", "| ---: | ---: |"]
@@ -488,6 +507,7 @@ def config(args, peer: _peers.Peer | None = None) -> dict:
                 iters=args.iters, warmup=args.warmup, settle_s=SETTLE_SECONDS, l2_flush=args.flush_l2,
                 graph_runs=None if args.eager else args.graph_runs, timer=timer(args),
                 bytes="q + K + V + o", copy="4 GiB D2D copy, read + write",
+                same_bytes_copy="a D2D copy reading and writing half the row's bytes each, timed as the row",
                 peers="torch SDPA cuDNN and FLASH on a dense bf16 cache", plan_kv_len=PLAN_KV_LEN,
                 sinks=None if args.no_sinks else dict(batch=SINKS_BATCH, kv_len=SINKS_KV_LEN, head_dim=HEAD_DIM,
                                                       kv_dtype="bf16", sinks="fp32 [num_qo_heads], random"),

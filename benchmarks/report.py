@@ -176,11 +176,14 @@ def decode_table(run: Run) -> list[str]:
                        f"rel L2 {num(k['rel_l2'], '.1e')}" for k in run.table("check"))
     peer_err = worst(r.get(f"{p}_max_abs_vs_ours") for r in rows for p in ("cudnn", "flash"))
     timing = f"Timing: {c['timer']}. " if "graph_runs" in c else ""  # records from before graph timing: eager
+    same = any(r.get("copy_us") is not None for r in rows)  # records from before the same-bytes copy have none
     lines = [run_line(run), "",
              f"Batch decode, {c['dtype']} q, {c['num_qo_heads']} q / {c['num_kv_heads']} kv heads, hd "
              f"{'by row' if by_hd else head_dims[0]}, page {c['page_size']}, {c['layout']}, every request `kv len` "
              f"tokens on pages scattered at random. {timing}GB/s counts {c['bytes']} once; copy bandwidth "
-             f"{num(run['copy_bandwidth_gbps'], '.0f')} GB/s ({c['copy']}). SDPA runs on a dense bf16 cache of the "
+             f"{num(run['copy_bandwidth_gbps'], '.0f')} GB/s ({c['copy']})"
+             + (f"; copy of the same bytes: {c['same_bytes_copy']} (the bandwidth-bound time at that size, launch "
+                "and ramp included)" if same else "") + ". SDPA runs on a dense bf16 cache of the "
              "same contents" + (f" (its outputs within {num(peer_err, '.1e')} max abs of ours)" if peer_err else "")
              + (f". Checked against attnforge.reference before timing ({checks})" if checks else "") + "."
              + peer_sentence(run, rows, "flashinfer_max_abs_vs_ours", "max abs"), ""]
@@ -188,14 +191,14 @@ def decode_table(run: Run) -> list[str]:
                                                   ("tensor cores", "tc_us", "flashinfer_tc_us")], times=True)
     tc = any(r.get("tc_us") is not None for r in rows)
     header = (["kv dtype"] + ["head dim"] * by_hd + ["batch", "kv len", "ours (µs)", "GB/s", "% copy BW"]
-              + ["ours tensor cores (µs)", "tensor cores % copy BW"] * tc
+              + ["ours tensor cores (µs)", "tensor cores % copy BW"] * tc + ["copy of the same bytes (µs)"] * same
               + ["SDPA cuDNN (µs)", "SDPA FLASH (µs)", "speed-up vs cuDNN", "speed-up vs FLASH"]
               + ["speed-up vs bf16 KV"] * fp8_rows + peer_header)
 
     def cells(r: dict) -> list[str]:
         return ([r["kv_dtype"]] + [str(head_dim_of(r))] * by_hd
                 + [str(r["batch"]), str(r["kv_len"]), num(r["us"]), num(r["gbps"], ".0f"), num(r["pct_copy_bw"])]
-                + [num(r.get("tc_us")), num(r.get("tc_pct_copy_bw"))] * tc
+                + [num(r.get("tc_us")), num(r.get("tc_pct_copy_bw"))] * tc + [num(r.get("copy_us"))] * same
                 + [num(r["cudnn_us"]), num(r["flash_us"]), faster(r["us"], r["cudnn_us"], ".3f", times=True),
                    faster(r["us"], r["flash_us"], ".3f", times=True)]
                 + [num(r["speedup_vs_bf16_kv"], ".2f")] * fp8_rows + peer_cells(r))

@@ -203,6 +203,8 @@ def test_main_writes_a_record_the_report_renders(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(decode, "attnforge_decode",
                         lambda problem, layout, tensor_cores=False: ((lambda **extra: None), None))
     monkeypatch.setattr(decode, "timed_us", lambda run, args, flush, notes, what: 25.0)
+    copies = []
+    monkeypatch.setattr(decode, "same_bytes_copy_us", lambda nbytes, args, flush: copies.append(nbytes) or 20.0)
     out = tmp_path / "bench-decode.json"
     argv = ["--head-dims", "128", "512", "--batch", "1", "256", "--kv-len", "16384", "--no-peers", "--no-plan",
             "--no-pdl", "--no-overhead", "--no-flashinfer", "--out", str(out)]
@@ -214,10 +216,12 @@ def test_main_writes_a_record_the_report_renders(monkeypatch, tmp_path, capsys):
     assert [(r["head_dim"], r["batch"], r["us"] is None) for r in rows] == [
         (128, 1, False), (128, 256, False), (512, 1, False), (512, 256, True)]
     assert [c["head_dim"] for c in record["tables"]["check"]] == [128, 512]
+    assert [r["copy_us"] for r in rows] == [20.0, 20.0, 20.0, None] and copies == [cpu_problem().bytes_moved] * 3
     assert len(record["tables"]["sinks"]) == 2
     assert report.main([str(out)]) == 0
     text = capsys.readouterr().out
     assert "| bf16 | 512 | 256 | 16384 | n/a |" in text and "| CUDA cores | 25.0 | 25.0 | 1.000 |" in text
+    assert "| copy of the same bytes (µs) |" in text and "| bf16 | 128 | 1 | 16384 | 25.0 |" in text
 
 
 @pytest.mark.parametrize("flag", ["--graph-runs", "--pdl-runs"])
