@@ -33,20 +33,28 @@ def fa3_cta_tile(spec: KernelSpec) -> int:
     return 192 if three else 128
 
 
+def fa3_line_bytes(spec: KernelSpec, head_dim: int) -> int:
+    """The swizzle line of a tile whose rows hold `head_dim` elements (fa3/traits.cuh, line_bytes):
+    fp8 128 bytes (V^T's rows of 128 keys are 128-byte lines), 16-bit the widest of 128, 64 and 32
+    bytes that divides the row (hd 96, 160, 224: 64; hd 80, 112: 32)."""
+    row = head_dim * spec.dtype_kv.bytes
+    if spec.dtype_kv.is_fp8:
+        return 128
+    return next(line for line in (128, 64, 32) if row % line == 0)
+
+
 def fa3_tile_dim(spec: KernelSpec, head_dim: int) -> int:
-    """A head dim as the kernel's tiles hold it (PrefillTraits::kTileDimQK/VO): whole 128-byte
-    column blocks, 64 16-bit or 128 fp8 elements (16-bit 80-112 -> 128, 160 -> 192, 224 -> 256;
-    fp8 64, 96 -> 128, 192 -> 256: the fp8 wgmma's K-major operands and V^T's rows of 128 keys use
-    the 128-byte swizzle alone, so fp8 hd 64 and 96 run the hd 128 kernel's tiles, their padding
-    zero-filled like 16-bit padding). The rendered units static_assert it."""
-    line = 128 // spec.dtype_kv.bytes
+    """A head dim as the kernel's tiles hold it (PrefillTraits::kTileDimQK/VO): whole swizzle lines
+    (fa3_line_bytes). 16-bit tiles are the head dim itself; fp8 ones whole 128-element lines (64, 96
+    -> 128, 192 -> 256: the padding zero-filled). The rendered units static_assert it."""
+    line = fa3_line_bytes(spec, head_dim) // spec.dtype_kv.bytes
     return -(-head_dim // line) * line
 
 
 def fa3_kv_tile(spec: KernelSpec, paged: bool) -> int:
     """Keys per tile (PrefillTraits::kBlockN): 128, 64 for 16-bit tile dims over 320 in all or a qk
     tile dim over 192, of which ragged kernels without soft cap or window take 112 at a qk tile dim
-    of 192 (hd 160 and 192), else 80."""
+    of 192 (hd 192), else 80 (hd 224, 256)."""
     tile_qk = fa3_tile_dim(spec, spec.head_dim_qk)
     if spec.dtype_kv.is_fp8 or (tile_qk + fa3_tile_dim(spec, spec.head_dim_vo) <= 320 and tile_qk <= 192):
         return 128

@@ -1,6 +1,6 @@
 """How an FA3 prefill module is spread over translation units (codegen/fa3_units.py): each kernel
 instantiation the launcher can pick is compiled in exactly one unit, and only units whose tiles need
-CuTe's extended wgmma widths parse those headers. No compiler runs here; the rendered static_asserts
+CuTe's extended wgmma widths parse those headers; the tiles' swizzle lines fit the head dims. No compiler runs here; the rendered static_asserts
 check the same values against fa3/traits.cuh at build time."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import re
 import pytest
 
 from attnforge.codegen import manifest, render
-from attnforge.codegen.fa3_units import CUTE_BASE_WGMMA_WIDTHS, INSTANCES, fa3_kv_tile
-from attnforge.codegen.spec import Backend
+from attnforge.codegen.dtypes import DType
+from attnforge.codegen.fa3_units import CUTE_BASE_WGMMA_WIDTHS, INSTANCES, fa3_kv_tile, fa3_line_bytes, fa3_tile_dim
+from attnforge.codegen.rules import FA3_FP8_PREFILL_HEAD_DIMS, FA3_PREFILL_HEAD_DIMS, check
+from attnforge.codegen.spec import Arch, Backend, KernelSpec, Kind
 
 EXTENDED = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
 FA3_SPECS = [spec for spec in manifest.load(manifest.default_manifest_path()).specs if spec.backend is Backend.FA3]
@@ -57,7 +59,7 @@ def test_only_units_with_an_extended_wgmma_width_parse_those_headers(spec):
     module = render.render(spec)
     for variant in render.module_layout(spec).variants:
         paged = dict(variant.context)["paged"]
-        widths = {fa3_kv_tile(spec, paged), spec.head_dim_vo}
+        widths = {fa3_kv_tile(spec, paged), fa3_tile_dim(spec, spec.head_dim_vo)}
         names = [f"{variant.name}.cu"] + [f"{variant.name}_{i.name}.cu" for i in variant.instances]
         for name in names:
             text = module.files[name]
@@ -72,3 +74,30 @@ def test_the_default_manifest_has_units_of_both_kinds():
     texts = [text for spec in FA3_SPECS for name, text in render.render(spec).files.items() if name.endswith(".cu")]
     extended = sum(EXTENDED in text for text in texts)
     assert 0 < extended < len(texts) // 4
+
+
+def _fa3(dtype: DType, qk: int, vo: int) -> KernelSpec:
+    out = DType.BF16 if dtype.is_fp8 else dtype
+    return KernelSpec(kind=Kind.PREFILL, backend=Backend.FA3, dtype_q=dtype, dtype_kv=dtype, dtype_o=out,
+                      head_dim_qk=qk, head_dim_vo=vo, archs=(Arch.SM90A,))
+
+
+ACCEPTED = [_fa3(DType.BF16, qk, vo) for qk, vo in sorted(FA3_PREFILL_HEAD_DIMS)]
+ACCEPTED += [_fa3(DType.E4M3, qk, vo) for qk, vo in sorted(FA3_FP8_PREFILL_HEAD_DIMS)]
+
+
+@pytest.mark.parametrize("spec", ACCEPTED, ids=[s.name for s in ACCEPTED])
+def test_tiles_are_whole_swizzle_lines_and_16_bit_ones_the_head_dim_itself(spec):
+    """A 16-bit tile that padded its head dim would run a larger head dim's wgmmas (hd 80 at 128: 0.62x
+    the FLOP rate); fp8 keeps 128-byte lines, V^T's rows of 128 keys."""
+    assert check(spec) == []
+    for dim in (spec.head_dim_qk, spec.head_dim_vo):
+        line = fa3_line_bytes(spec, dim)
+        tile = fa3_tile_dim(spec, dim)
+        assert line in (32, 64, 128) and tile * spec.dtype_kv.bytes % line == 0
+        assert dim <= tile < dim + line // spec.dtype_kv.bytes
+        if spec.dtype_kv.is_fp8:
+            assert line == 128
+        else:
+            assert tile == dim
+            assert line == max(w for w in (32, 64, 128) if dim * 2 % w == 0), "the widest line that fits"

@@ -125,6 +125,10 @@ PREFILLS = {
     "fa3-ragged": PrefillLaunch("fa3", None, causal=False),
     "fa3-hd192-128": PrefillLaunch("fa3", 16, head_dims=(192, 128)),
     "fa3-ragged-hd192": PrefillLaunch("fa3", None, causal=False, head_dims=(192, 192)),
+    # Narrow swizzle lines: 32-byte Q/K lines and 64-byte V lines boxed (ragged), 32-byte ones of 10
+    # cells a row gathered cell by cell (page 5) and o's last 8-column blocks stored two columns a lane.
+    "fa3-ragged-hd112-96": PrefillLaunch("fa3", None, causal=False, head_dims=(112, 96)),
+    "fa3-paged-gathered-page5-hd80": PrefillLaunch("fa3", 5, head_dims=(80, 80)),
     "fa2-paged-hd192": PrefillLaunch("fa2", 16, head_dims=(192, 192)),
     "fa3-fp8-paged": PrefillLaunch("fa3", 16, dtype=E4M3),
     "fa3-fp8-ragged": PrefillLaunch("fa3", None, dtype=E4M3),

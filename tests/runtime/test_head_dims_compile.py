@@ -1,9 +1,10 @@
 """Every head-dim pair the rules accept compiles, per kernel family (nvcc, no GPU): a rule that
 admits a shape its kernel cannot instantiate would otherwise surface as a build failure on a
 user's first plan(). One module per (kind, backend, head dims) of the unpadded dims (rows of whole
-128-byte lines), built for sm_90a; fa2 variants also go to sm_80 through test_build_load. The padded
-head dims (80-112, 160, 224, and 192 where a row spans 24 cells) share one code path per family:
-one module per padded class (PADDED, PADDED_FP8), few enough for CI's two cores."""
+128-byte lines), built for sm_90a; fa2 variants also go to sm_80 through test_build_load. The head
+dims between them (80-112, 160, 224, and 192 where a row spans 24 cells) share one code path per
+family (fa3 16-bit: narrow swizzle lines): one module per class (PADDED, PADDED_FP8), few enough
+for CI's two cores."""
 
 from __future__ import annotations
 
@@ -33,13 +34,15 @@ SPECS += [KernelSpec(kind=Kind.PREFILL, backend=Backend.FA2, dtype_q=DType.BF16,
 SPECS += [KernelSpec(kind=Kind.DECODE, backend=Backend.FA2, dtype_q=DType.BF16, dtype_kv=DType.E4M3,
                      dtype_o=DType.BF16, head_dim_qk=qk, head_dim_vo=vo, archs=(Arch.SM90A,))
           for qk, vo in sorted(DECODE_HEAD_DIMS & UNPADDED)]
-# Padded head dims, one module per family (times measured on 2 shared cores, MAX_JOBS=2): fa2
-# prefill hd 96 for sm_80 (Q rows padded to 128-byte lines, ~37 s), fa2 decode hd 96 for sm_90a
-# (12 cells on 16 lanes, ~21 s), fa3 hd 96 (tile dim 128, zero-filled columns, ~63 s).
+# Head dims between the natural widths, one module per family (times measured on 2 shared cores,
+# MAX_JOBS=2): fa2 prefill hd 96 for sm_80 (Q rows padded to 128-byte lines, ~37 s), fa2 decode hd 96
+# for sm_90a (12 cells on 16 lanes, ~21 s), fa3 (96, 80) (64-byte Q/K swizzle lines, 32-byte V lines,
+# o's last 8-column blocks stored two columns a lane, an N = 80 wgmma of CuTe's extended set).
 PADDED = [KernelSpec(kind=kind, backend=backend, dtype_q=DType.BF16, dtype_kv=DType.BF16, dtype_o=DType.BF16,
-                     head_dim_qk=96, head_dim_vo=96, archs=(arch,))
-          for kind, backend, arch in [(Kind.PREFILL, Backend.FA2, Arch.SM80), (Kind.DECODE, Backend.FA2, Arch.SM90A),
-                                      (Kind.PREFILL, Backend.FA3, Arch.SM90A)]]
+                     head_dim_qk=96, head_dim_vo=vo, archs=(arch,))
+          for kind, backend, arch, vo in [(Kind.PREFILL, Backend.FA2, Arch.SM80, 96),
+                                          (Kind.DECODE, Backend.FA2, Arch.SM90A, 96),
+                                          (Kind.PREFILL, Backend.FA3, Arch.SM90A, 80)]]
 SPECS += PADDED
 # qk > vo pairs: (256, 64) is where fa3's 128-token stages would just fill shared memory beside the
 # 256-wide Q tile (it takes the narrow kv tiles); fa2 at the same pair for sm_80.

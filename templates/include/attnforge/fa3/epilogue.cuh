@@ -31,15 +31,17 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&v)[4]) {
 // One accumulator row of o, scaled by inv_d, stored as 16-byte vectors. A lane holds two columns of
 // each 8-column block; after a quad transpose per four blocks, lane q holds all of block 4g + q, so
 // one warp store writes 64 contiguous bytes of each of its 8 rows: two-column stores (4x the
-// instructions) leave every job on a store tail that short jobs feel most.
+// instructions) leave every job on a store tail that short jobs feel most. A tile dim that is not
+// a multiple of 32 (hd 80, 112) ends in one or two blocks that no quad exchange fills: those go two
+// columns a lane.
 template <typename DTypeO, typename TensorO, typename TensorC>
 __device__ __forceinline__ void store_o_row(DTypeO* o_row, bool stored, float inv_d, int r, TensorO& o,
                                             TensorC& coord, int cols) {
   using namespace cute;
-  static_assert(decltype(size<1>(o))::value % 8 == 0, "fa3 o store: whole groups of four 8-column blocks");
+  constexpr int kBlocks = decltype(size<1>(o))::value / 2;  // 8-column blocks
   const int q = threadIdx.x % 4;
 #pragma unroll
-  for (int g = 0; g < size<1>(o) / 8; ++g) {
+  for (int g = 0; g < kBlocks / 4; ++g) {
     uint32_t v[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = common::pack2<DTypeO>(o(r, 8 * g + 2 * i) * inv_d, o(r, 8 * g + 2 * i + 1) * inv_d);
@@ -48,6 +50,13 @@ __device__ __forceinline__ void store_o_row(DTypeO* o_row, bool stored, float in
     // Columns from `cols` on are a padded tile dim's (whole 8-column blocks: cols % 16 == 0).
     const int col = get<1>(coord(r, 8 * g)) + 6 * q;
     if (stored && col < cols) *reinterpret_cast<uint4*>(o_row + col) = make_uint4(v[0], v[1], v[2], v[3]);
+  }
+#pragma unroll
+  for (int b = kBlocks / 4 * 4; b < kBlocks; ++b) {
+    const int col = get<1>(coord(r, 2 * b));
+    if (stored && col < cols) {
+      *reinterpret_cast<uint32_t*>(o_row + col) = common::pack2<DTypeO>(o(r, 2 * b) * inv_d, o(r, 2 * b + 1) * inv_d);
+    }
   }
 }
 

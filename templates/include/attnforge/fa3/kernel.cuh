@@ -126,10 +126,10 @@ cudaError_t encode_kv_maps(KernelArgs<T>& args) {
   const int64_t v_page_stride = T::kPagedKV ? p.v_stride_page : p.v_stride_token * page_size;
   constexpr int kBytes = T::kElementBytes;
   const cudaError_t err =
-      host::encode_pages_map<kBytes>(&args.k_pages, p.k, T::kHeadDimQK, page_size, p.num_kv_heads, pages,
+      host::encode_pages_map<kBytes, T::kLineBytesQK>(&args.k_pages, p.k, T::kHeadDimQK, page_size, p.num_kv_heads, pages,
                                      p.kv_stride_token, p.kv_stride_head, k_page_stride, args.box_rows);
   if (err != cudaSuccess) return err;
-  return host::encode_pages_map<kBytes>(&args.v_pages, p.v, T::kHeadDimVO, page_size, p.num_kv_heads, pages,
+  return host::encode_pages_map<kBytes, T::kLineBytesVO>(&args.v_pages, p.v, T::kHeadDimVO, page_size, p.num_kv_heads, pages,
                                         p.v_stride_token, p.v_stride_head, v_page_stride, args.box_rows);
 }
 
@@ -142,7 +142,7 @@ cudaError_t encode_q_map(KernelArgs<T>& args) {
   const bool aligned = reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && p.q_stride_h * kBytes % 16 == 0 &&
                        p.q_stride_n * kBytes % 16 == 0 && p.q_stride_h > 0 && p.q_stride_n > 0;
   if (!aligned || T::kBlockM % p.group_size != 0 || p.q_tokens < 1) return cudaSuccess;
-  const cudaError_t err = host::encode_q_map<kBytes>(&args.q_rows, p.q, T::kHeadDimQK, p.num_qo_heads, p.q_tokens,
+  const cudaError_t err = host::encode_q_map<kBytes, T::kLineBytesQK>(&args.q_rows, p.q, T::kHeadDimQK, p.num_qo_heads, p.q_tokens,
                                                      p.q_stride_h, p.q_stride_n, p.group_size,
                                                      T::kBlockM / p.group_size);
   args.q_boxed = err == cudaSuccess;

@@ -17,7 +17,7 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(common::smem_addr(bar)));
 }
 
-// Q tile: kBlockM packed rows, then q_full. Boxed: thread 0 loads one box per 128-byte column
+// Q tile: kBlockM packed rows, then q_full. Boxed: thread 0 loads one box per swizzle line's column
 // block (rows past the request hold the next request's queries, or zeros past q: no stored row
 // reads them). Gathered (a group that does not divide the tile, or strides TMA cannot take): every
 // producer thread's cp.async, zeros past the request.
@@ -33,7 +33,7 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
     const auto evict_first = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);  // read once
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q.full, T::kQBytes);
 #pragma unroll
-    for (int col = 0; col < T::kTileDimQK; col += T::kLineElements) {  // past kHeadDimQK: zeros (OOB)
+    for (int col = 0; col < T::kTileDimQK; col += T::kLineElementsQK) {  // past kHeadDimQK: zeros (OOB)
       cute::SM90_TMA_LOAD_3D::copy(&args.q_rows, q.full, evict_first,
                                    base + swizzled_offset<typename T::SmemLayoutQ, typename T::Element>(0, col), col,
                                    kv_head * p.group_size, w.qo_begin + w.first_token);
@@ -60,15 +60,15 @@ __device__ __forceinline__ void load_q_tile(typename T::SharedStorage& smem, con
 // past the range, zero-filled so P.V never meets garbage), smem position from `smem_offset`.
 // A thread keeps one cell and walks rows kRowsPerPass apart; when that is a whole number of
 // 8-row swizzle atoms its smem position only moves by a constant, so it is computed once. A row
-// of cells that does not divide the warpgroup (24 for 192 16-bit dims) is copied cell by cell,
-// each thread finding its cell's row. Cells from kRealCells on (a padded tile dim) are zero-filled
-// without a read.
+// of cells that does not divide the warpgroup (24 for 192 16-bit dims, 10-28 for narrow-line
+// tiles) is copied cell by cell, each thread finding its cell's row. Cells from kRealCells on (a
+// padded tile dim) are zero-filled without a read.
 template <typename T, int kCells, int kRealCells, typename RowOffset, typename SmemOffset>
 __device__ __forceinline__ void load_kv_tile(uint8_t* smem_base, const typename T::DTypeKV* head_base, int tid,
                                              RowOffset row_offset, SmemOffset smem_offset) {
   if constexpr (T::kProducerThreads % kCells != 0) {
-    static_assert(T::kBlockN * kCells % T::kProducerThreads == 0, "fa3 kv tile: every producer thread copies alike");
-#pragma unroll 4
+    constexpr int kUnroll = T::kGatherUnroll;
+#pragma unroll kUnroll
     for (int idx = tid; idx < T::kBlockN * kCells; idx += T::kProducerThreads) {
       const int row = idx / kCells, cell = idx % kCells;
       const int64_t off = row_offset(row);
@@ -121,12 +121,12 @@ __device__ __forceinline__ TileBoxes tile_boxes(const KernelArgs<T>& args, const
   return t;
 }
 
-// Each producer lane with a box copies its every 128-byte column block of one tile of `map` into
-// `tile`, element (row, col) at smem_offset(row, col). Thread 0 arms `full` (which expects
-// kArrivals) with the whole tile's bytes; other warps' copies may land first (the barrier's
-// transaction count may run negative until then, and its phase cannot complete before thread 0's
-// arrival).
-template <typename T, int kDims, uint32_t kArrivals, typename SmemOffset>
+// Each producer lane with a box copies its every column block (kLine elements, one swizzle line) of
+// one tile of `map` into `tile`, element (row, col) at smem_offset(row, col). Thread 0 arms `full`
+// (which expects kArrivals) with the whole tile's bytes; other warps' copies may land first (the
+// barrier's transaction count may run negative until then, and its phase cannot complete before
+// thread 0's arrival).
+template <typename T, int kDims, int kLine, uint32_t kArrivals, typename SmemOffset>
 __device__ __forceinline__ void box_tile(const CUtensorMap& map, const TileBoxes& boxes, int kv_head,
                                          uint8_t* tile, uint64_t* full, uint32_t bytes, SmemOffset smem_offset) {
   // K/V that the request's other q tiles reread stay in L2; a request of one q tile (decode) reads
@@ -136,7 +136,7 @@ __device__ __forceinline__ void box_tile(const CUtensorMap& map, const TileBoxes
   if (threadIdx.x == 0) arrive_for_all<kArrivals>(full, bytes);
   if (!boxes.boxing) return;
 #pragma unroll
-  for (int col = 0; col < kDims; col += T::kLineElements) {
+  for (int col = 0; col < kDims; col += kLine) {
     cute::SM90_TMA_LOAD_4D::copy(&map, full, hint, tile + smem_offset(boxes.row, col), col, boxes.origin.in_page,
                                  kv_head, boxes.origin.page);
   }
@@ -151,13 +151,13 @@ __device__ __forceinline__ void load_kv_tile_tma(typename T::SharedStorage& smem
   using Element = typename T::Element;
   if (!boxes.warp_boxing) return;  // spinning on the stage's barriers would take issue slots from the consumers
   Barrier::wait(&smem.k_empty[stage], free_phase);
-  box_tile<T, T::kTileDimQK, kFullArrivals<T>>(args.k_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.k),
+  box_tile<T, T::kTileDimQK, T::kLineElementsQK, kFullArrivals<T>>(args.k_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.k),
                              &smem.k_full[stage], T::kTileBytesK, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutK, Element>(row, col, stage);
                              });
   if constexpr (!T::kFp8) {
     Barrier::wait(&smem.v_empty[stage], free_phase);
-    box_tile<T, T::kTileDimVO, kFullArrivals<T>>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v),
+    box_tile<T, T::kTileDimVO, T::kLineElementsVO, kFullArrivals<T>>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v),
                                &smem.v_full[stage], T::kTileBytesV, [&](int row, int col) {
                                  return swizzled_offset<typename T::SmemLayoutVt, Element>(col, row, stage);
                                });
@@ -183,7 +183,7 @@ __device__ __forceinline__ void box_vt_tile(typename T::SharedStorage& smem, con
 template <typename T>
 __device__ __forceinline__ void box_v_rows(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                            const TileBoxes& boxes, int buffer, int kv_head) {
-  box_tile<T, T::kTileDimVO, 1>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
+  box_tile<T, T::kTileDimVO, T::kLineElementsVO, 1>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
                              &smem.v_rows_full[buffer], T::kTileBytesV, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutVRows, typename T::Element>(row, col, buffer);
                              });

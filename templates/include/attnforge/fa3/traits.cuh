@@ -72,6 +72,31 @@ __host__ __device__ constexpr int p_key_of_slot(int slot) {
   return slot / 16 * 16 + 2 * lane + i % 2 + 8 * (i / 2);
 }
 
+// The swizzle line (bytes) of a tile whose rows hold `dim` elements of `element_bytes`: fp8 128,
+// 16-bit the widest of 128, 64 and 32 that divides the row (PrefillTraits::kLineBytesQK/VO).
+__host__ __device__ constexpr int line_bytes(int dim, int element_bytes) {
+  const int bytes = dim * element_bytes;
+  return element_bytes == 1 || bytes % 128 == 0 ? 128 : bytes % 64 == 0 ? 64 : 32;
+}
+
+// CuTe's GMMA shared-memory atoms of one swizzle line: K-major (the line along K) and MN-major.
+template <int kLineBytes, typename Element>
+struct SwizzleAtoms {
+  static_assert(kLineBytes == 128, "fa3 swizzle lines: 128, 64 or 32 bytes");
+  using K = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using MN = cute::GMMA::Layout_MN_SW128_Atom<Element>;
+};
+template <typename Element>
+struct SwizzleAtoms<64, Element> {
+  using K = cute::GMMA::Layout_K_SW64_Atom<Element>;
+  using MN = cute::GMMA::Layout_MN_SW64_Atom<Element>;
+};
+template <typename Element>
+struct SwizzleAtoms<32, Element> {
+  using K = cute::GMMA::Layout_K_SW32_Atom<Element>;
+  using MN = cute::GMMA::Layout_MN_SW32_Atom<Element>;
+};
+
 struct PageRow {
   int32_t page, in_page;
 };
@@ -130,18 +155,23 @@ struct PrefillTraits {
   static_assert(std::is_same_v<DTypeQ, DTypeKV>, "fa3 prefill dtypes: q and kv must share one type (rule fa3-same-dtype-family)");
   static_assert(sizeof(DTypeO) == 2, "fa3 prefill dtypes: o is half or bf16 (rule o-not-fp8)");
   static constexpr int kElementBytes = int(sizeof(DTypeKV));
-  // The tile-size choice for the head dims starts here (kTileDim*, then kInOrder, kConsumerWarpgroups,
-  // kBlockN, kStages below). Tiles are built of 128-byte column blocks (a TMA box, a swizzle line):
-  // 64 16-bit or 128 fp8 elements. A head dim between them (16-bit 80, 96, 112 -> 128; 160 -> 192;
-  // 224 -> 256; fp8 64, 96 -> 128; 192 -> 256) runs on the padded tile dim: TMA boxes fill the
-  // columns past the tensor maps' real extent with zeros, the gathering copies zero-fill them
-  // without a read, so Q and K padding adds 0 to q.k; P.V's padding columns (wgmma N = kTileDimVO, a
-  // multiple of 64) are never stored. fp8 V^T's padding rows (dims) are never written at all (the
+  // The tile-size choice for the head dims starts here (kLineBytes*, kTileDim*, then kInOrder,
+  // kConsumerWarpgroups, kBlockN, kStages below). Tiles are built of column blocks of one swizzle
+  // line each (a TMA box's width): 16-bit tiles take the widest line of 128, 64 or 32 bytes that
+  // divides the head dim's row (hd 96, 160, 224: 64 bytes; 80, 112: 32), so every wgmma does the
+  // head dim's own work. fp8 keeps 128-byte lines (V^T's rows of 128 keys are 128-byte lines, and
+  // its transposes move 16-byte cells of them), so fp8 64, 96 -> 128 and 192 -> 256 run on the
+  // padded tile dim: TMA boxes fill the columns past the tensor maps' real extent with zeros, the
+  // gathering copies zero-fill them without a read, so Q and K padding adds 0 to q.k; P.V's padding
+  // columns are never stored. fp8 V^T's padding rows (dims) are never written at all (the
   // transposes and the box of V transposed ahead move the real dims only): whatever they hold
   // reaches only those unstored columns of o (each column of P.V reads its own dim of V alone).
-  static constexpr int kLineElements = host::kTmaBoxBytes / kElementBytes;
-  static constexpr int kTileDimQK = (kHeadDimQK + kLineElements - 1) / kLineElements * kLineElements;
-  static constexpr int kTileDimVO = (kHeadDimVO + kLineElements - 1) / kLineElements * kLineElements;
+  static constexpr int kLineBytesQK = line_bytes(kHeadDimQK, kElementBytes);
+  static constexpr int kLineBytesVO = line_bytes(kHeadDimVO, kElementBytes);
+  static constexpr int kLineElementsQK = kLineBytesQK / kElementBytes;
+  static constexpr int kLineElementsVO = kLineBytesVO / kElementBytes;
+  static constexpr int kTileDimQK = (kHeadDimQK + kLineElementsQK - 1) / kLineElementsQK * kLineElementsQK;
+  static constexpr int kTileDimVO = (kHeadDimVO + kLineElementsVO - 1) / kLineElementsVO * kLineElementsVO;
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimVO % 16 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
                 "fa3 prefill head dims: multiples of 16 up to 256 (rules head-dims-multiple-of-16, prefill-head-dims-max-256)");
   static_assert(!kFp8 || kHeadDimQK == kHeadDimVO, "fa3 fp8 head dims: qk = vo (rule fa3-fp8-head-dims)");
@@ -175,12 +205,12 @@ struct PrefillTraits {
   static_assert(!kKeysAlongM || kHasKeysAlongM, "fa3 decode items with the keys along M: fp8 up to hd 128");
   static constexpr bool kHasVtAhead = kFp8 && !kDecodeItems;
   static_assert(!kVtAhead || kHasVtAhead, "fa3 V transposed ahead: fp8 prefill kernels only");
-  // Keys per tile: Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to (192,
-  // 128) head dims (208 KB), 64-token tiles for (256, 256) (192 KB). FP8 always takes 128 tokens:
-  // the transposed V tile's kv rows must fill a 128-byte line. Ragged 16-bit hd 256 takes FA3's
-  // wider 80-key tile (224 KB), and a qk tile dim of 192 (hd 160, 192) a 112-key one (218 KB), whose
-  // per-tile costs cover more keys; 144 keys at hd 128 would spill
-  // at 160 registers (ptxas then serializes the wgmmas, C7512). Paged kernels keep 128 or 64, which
+  // Keys per tile: Q + 2 stages of K and V must fit 227 KB: 16-bit, 128-token tiles up to tile dims
+  // of 320 in all (hd 160: 200 KB, (192, 128): 208 KB), 64-token tiles for (256, 256) (192 KB). FP8
+  // always takes 128 tokens: the transposed V tile's kv rows must fill a 128-byte line. Ragged
+  // 16-bit hd 224 and 256 take FA3's wider 80-key tile (224 KB), and hd 192 a 112-key one (218
+  // KB), whose per-tile costs cover more keys; 144 keys at hd 128 would spill at 160 registers
+  // (ptxas then serializes the wgmmas, C7512). Paged kernels keep 128 or 64, which
   // every power-of-two page up to 128 divides, so their boxes are whole pages; soft cap and sliding
   // window too. kWideKvTile: the wider width, 0 where none applies.
   // A 256-wide Q tile (64 KB) leaves room for 128-token stages only beside a 64-wide V, with no
@@ -239,12 +269,18 @@ struct PrefillTraits {
   // setmaxnreg moves registers within the launch allocation (65536 / kThreads each, rounded down to
   // 8): the producer's release must cover the consumers' growth, or their setmaxnreg.inc waits
   // forever. Two consumers: 128 x (168 - 40) >= 256 x (232 - 168), or 128 x (168 - 56) = 256 x
-  // (224 - 168) where the producer does more per tile than issue TMA boxes (page ids, fp8 V
-  // transposes: it spills at 40). fp8 hd 256's consumers hold o (128 registers), S (64) and P (16)
-  // for the wgmmas at once: below 240 ptxas serializes every wgmma (C7512), so the producer gets 24
-  // (128 x (168 - 24) = 256 x (240 - 168)). Three consumers: 128 x (128 - 32) = 384 x (160 - 128).
-  // With V transposed ahead, only page ids are left to an fp8 producer.
-  static constexpr bool kBusyProducer = kFp8 ? kHeadDimVO <= 128 && (kPagedKV || !kVtAhead) : kPagedKV;
+  // (224 - 168) where the producer does more per tile than issue two TMA boxes a row (page ids, fp8
+  // V transposes, a narrow-line tile's 3-7 boxes and cell-by-cell gathers: it spills at 40). fp8 hd
+  // 256's consumers hold o (128 registers), S (64) and P (16) for the wgmmas at once: below 240
+  // ptxas serializes every wgmma (C7512), so the producer gets 24 (128 x (168 - 24) = 256 x (240 -
+  // 168)). Three consumers: 128 x (128 - 32) = 384 x (160 - 128). With V transposed ahead, only page
+  // ids are left to an fp8 producer.
+  static constexpr bool kNarrowLines = kLineBytesQK < 128 || kLineBytesVO < 128;
+  static constexpr bool kBusyProducer = kFp8 ? kHeadDimVO <= 128 && (kPagedKV || !kVtAhead) : kPagedKV || kNarrowLines;
+  // Gathered rows copied cell by cell, this many at a time: narrow-line tiles' (more boxes per
+  // tile, row cells that do not divide the warpgroup) spill the producer unrolled (ptxas, hd 80:
+  // 24-56 bytes at 2, up to 208 at 4).
+  static constexpr int kGatherUnroll = kNarrowLines ? 1 : 4;
   static constexpr bool kWideO = kFp8 && kHeadDimVO > 128;
   // Where producer thread 0 takes the next job and reads it from the plan (produce): once the
   // stages are full where the producer then waits for the consumers anyway (16-bit ragged), else
@@ -261,24 +297,25 @@ struct PrefillTraits {
   static constexpr int kTileCellsQK = kTileDimQK / kCellElements;  // and of the tiles, padding included
   static constexpr int kTileCellsVO = kTileDimVO / kCellElements;
 
-  // K-major 128B-swizzled tiles for Q and K. 16-bit V keeps its natural [kv, d] rows, which the PV
-  // wgmma reads as an MN-major B operand (the descriptor may transpose 16-bit types); fp8 V is
-  // stored transposed, K-major (kv contiguous), by the producer. 16-bit tiles are laid out rows
-  // first, so each 64-dim column block of a stage is one contiguous TMA box.
-  using VtAtom = std::conditional_t<kFp8, cute::GMMA::Layout_K_SW128_Atom<Element>,
-                                    cute::GMMA::Layout_MN_SW128_Atom<Element>>;
+  // K-major swizzled tiles for Q and K, one line along the head dim per atom. 16-bit V keeps its
+  // natural [kv, d] rows, which the PV wgmma reads as an MN-major B operand (the descriptor may
+  // transpose 16-bit types); fp8 V is stored transposed, K-major (kv contiguous, a 128-byte line of
+  // 128 keys), by the producer. Tiles are laid out rows first, so each line-wide column block of a
+  // stage is one contiguous TMA box.
+  using AtomsQK = SwizzleAtoms<kLineBytesQK, Element>;
+  using AtomsVO = SwizzleAtoms<kLineBytesVO, Element>;
+  using VtAtom = std::conditional_t<kFp8, typename AtomsVO::K, typename AtomsVO::MN>;
   using VtOrder = std::conditional_t<kFp8, cute::Step<cute::_1, cute::_2, cute::_3>,
                                      cute::Step<cute::_2, cute::_1, cute::_3>>;
   static constexpr auto kMajorV = kFp8 ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
-  using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+  using SmemLayoutQ = decltype(cute::tile_to_shape(typename AtomsQK::K{},
                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kTileDimQK>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<kBlockN>, cute::Int<kTileDimQK>, cute::Int<kStages>>{}));
+      typename AtomsQK::K{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kTileDimQK>, cute::Int<kStages>>{}));
   using SmemLayoutVt = decltype(cute::tile_to_shape(
       VtAtom{}, cute::Shape<cute::Int<kTileDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{}, VtOrder{}));
   using SmemLayoutVRows = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      typename AtomsVO::K{},
       cute::Shape<cute::Int<kBlockN>, cute::Int<kTileDimVO>, cute::Int<kVStaging != 0 ? kVStaging : 1>>{}));
   // P as the PV wgmma's A operand: the 16-bit ((2, 2, 2), 1, N/16) of 16-key blocks, or the fp8
   // ((4, 2, 2), 1, N/32) of 32-key blocks; both hold S's kBlockN / 2 values per thread.
@@ -308,7 +345,7 @@ struct PrefillTraits {
   static constexpr int kExchangeFloats = 4 * 8;
 
   struct SharedStorage {
-    alignas(1024) Element q[kQBuffers * kBlockM * kTileDimQK];  // swizzle atoms are 1024 bytes
+    alignas(1024) Element q[kQBuffers * kBlockM * kTileDimQK];  // 128-byte swizzle atoms are 1024 bytes
     alignas(1024) Element k[kStages * kBlockN * kTileDimQK];
     alignas(1024) Element v[kStages * kBlockN * kTileDimVO];
     alignas(1024) Element v_rows[kVStaging * kBlockN * kTileDimVO];  // fp8: V as it lies in memory
@@ -354,8 +391,8 @@ struct KernelArgs {
   int box_rows, boxes, q_boxed;
 };
 
-// Byte offset of element `coord` in a GMMA smem layout: the linear offset, then the 128B swizzle
-// (which acts on byte addresses; the tiles sit 1024-byte aligned).
+// Byte offset of element `coord` in a GMMA smem layout: the linear offset, then the swizzle (which
+// acts on byte addresses; the tiles sit 1024-byte aligned).
 template <typename Layout, typename Element, typename... Coord>
 __device__ __forceinline__ uint32_t swizzled_offset(Coord... coord) {
   const uint32_t linear = uint32_t(sizeof(Element)) * uint32_t(cute::get_nonswizzle_portion(Layout{})(coord...));
