@@ -380,15 +380,23 @@ def fp8_section(run: Run) -> list[str]:
         lines += ["", f"fa3 prefill, e4m3 q/k/v (scales q {s['q']:g}, k {s['k']:g}, v {s['v']:g}) -> bf16 o, "
                   f"against our fa3 bf16 and SDPA cuDNN bf16 on the dequantized values (exact in bf16); TFLOP/s "
                   f"counts {c['flops']}; rel L2 = the fp8 output against the bf16 one (the worse of paged and "
-                  "ragged)." + peer_sentence(run, rows, "flashinfer_rel_l2_vs_bf16", "relative L2 of our bf16 one"), ""]
+                  "ragged); fp8 vs next larger: the fp8 paged FLOP rate over that of the next larger head dim in "
+                  f"this run (issue 38: at least {NEXT_LARGER_TARGET})."
+                  + peer_sentence(run, rows, "flashinfer_rel_l2_vs_bf16", "relative L2 of our bf16 one"), ""]
         peer_header, peer_cells = peer_columns(rows, [(f"fp8 {layout}", f"fp8_{layout}_tflops",
                                                        f"flashinfer_fp8_{layout}_tflops") for layout in LAYOUTS])
         header = ["batch x len", "head dim (q/kv heads)", "causal", "fp8 paged TFLOP/s", "fp8 ragged TFLOP/s",
-                  "bf16 ragged TFLOP/s", "SDPA cuDNN bf16 TFLOP/s", "fp8 / bf16", "fp8 / cuDNN", "rel L2 vs bf16"]
-        body = [shape(r, run) + [num(r["fp8_paged_tflops"]), num(r["fp8_ragged_tflops"]), num(r["bf16_ragged_tflops"]),
-                            num(r["cudnn_tflops"]), faster(r["fp8_ragged_tflops"], r["bf16_ragged_tflops"]),
-                            faster(r["fp8_ragged_tflops"], r["cudnn_tflops"]), num(r["rel_l2"], ".2e")]
-                + peer_cells(r) for r in rows]
+                  "bf16 ragged TFLOP/s", "SDPA cuDNN bf16 TFLOP/s", "fp8 / bf16", "fp8 / cuDNN", "fp8 vs next larger",
+                  "rel L2 vs bf16"]
+        body = []
+        for r in rows:
+            bigger = next_larger(rows, r, "fp8_paged_tflops")
+            body.append(shape(r, run) + [
+                num(r["fp8_paged_tflops"]), num(r["fp8_ragged_tflops"]), num(r["bf16_ragged_tflops"]),
+                num(r["cudnn_tflops"]), faster(r["fp8_ragged_tflops"], r["bf16_ragged_tflops"]),
+                faster(r["fp8_ragged_tflops"], r["cudnn_tflops"]),
+                faster(r["fp8_paged_tflops"], bigger["fp8_paged_tflops"] if bigger else None),
+                num(r["rel_l2"], ".2e")] + peer_cells(r))
         header += peer_header
         lines += table(header, body, left=3) + notes(rows, label)
     rows = run.table("fa2_fp8_kv_prefill")

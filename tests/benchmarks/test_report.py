@@ -188,7 +188,7 @@ def test_every_family_has_its_run_line_peers_and_ratios(files, capsys):
 
     lines = section(text, "FP8")
     assert row(lines, "| 4 x 4096 | 256 (16/4) | yes |")[3:] == ["900.0", "1000.0", "625.0", "500.0", "1.60", "2.00",
-                                                                "2.60e-02"]
+                                                                "n/a", "2.60e-02"]
     assert row(lines, "| 4 x 4096 | 256 (16/4) | no |")[3:] == ["300.0", "320.0", "400.0", "0.80", "2.50e-03"]
     assert row(lines, "| tensor cores (fa2) |") == ["tensor cores (fa2)", "1", "270.0", "97.0", "150.0", "88.0",
                                                    "1.80", "1.00e-02"]
@@ -442,6 +442,24 @@ def test_flashinfer_columns_and_ratios_render_beside_ours(tmp_path, capsys):
     assert row(lines, "| 4 x 4096 | 256 (16/4) | no |")[-4:] == ["n/a", "256.0", "n/a", "1.25"]
     assert "- 4 x 4096 hd 256: FlashInfer fa2 e4m3 KV paged prefill hd 256 n/a: RuntimeError: x" in lines
     assert row(lines, "| tensor cores (fa2) |")[-4:] == ["256.0", "300.0", "0.95", "2.00"]
+
+
+def test_fp8_rows_stand_beside_the_next_larger_head_dim_of_their_shape(tmp_path, capsys):
+    """Issue 38's fp8 head dims (64, 96, 192) against the next larger one run: the paged FLOP rates' ratio,
+    per shape and causal flag; the largest dim has none."""
+    record = json.loads(json.dumps(FP8))
+    record["config"]["heads_by_head_dim"].update({d: HEADS["128"] for d in ("96", "128")})
+    base = record["tables"]["fa3_prefill"][0]
+    record["tables"]["fa3_prefill"] = [{**base, "head_dim": d, "causal": c, "fp8_paged_tflops": t}
+                                       for d, c, t in ((96, True, 600.0), (128, True, 800.0), (256, True, 1000.0),
+                                                       (96, False, 700.0))]
+    path = tmp_path / "bench-fp8.json"
+    path.write_text(json.dumps(record))
+    lines = section(rendered([path], capsys), "FP8")
+    ratio = columns(lines, "batch x len").index("fp8 vs next larger")
+    assert [row(lines, f"| 4 x 4096 | {d} |")[ratio] for d in ("96 (32/8) | yes", "128 (32/8) | yes", "256 (16/4) | yes",
+                                                                 "96 (32/8) | no")] == ["0.75", "0.80", "n/a", "n/a"]
+    assert "fp8 vs next larger: the fp8 paged FLOP rate over that of the next larger head dim" in prose(lines)
 
 
 def test_a_record_whose_peer_did_not_run_says_why(tmp_path, capsys):
