@@ -94,17 +94,20 @@ class PlanError(ValueError):
     pass
 
 
-def split_chunk_tokens(longest: int, unsplit: bool, fixed_split_tokens: int, min_chunk_tokens: int,
-                       ctas_per_item: int, max_ctas: int, align_tokens: int, items_for) -> int:
+def split_chunk_tokens(longest: int, disabled: bool, fills_gpu: bool, fixed_split_tokens: int,
+                       min_chunk_tokens: int, ctas_per_item: int, max_ctas: int, align_tokens: int, items_for) -> int:
     """The split-KV chunk both planners use (host/split_kv.h, line for line): the whole longest
-    range when unsplit, else the fixed split (as given), else the smallest chunk >= min_chunk_tokens
+    range when splitting is disabled, else the fixed split (as given, whatever the batch), else the
+    whole longest range when the unsplit work fills the GPU, else the smallest chunk >= min_chunk_tokens
     whose item count times ctas_per_item fits max_ctas, rounded up to a multiple of align_tokens
     (the kernel's kv tile) unless that passes the longest range or keeps fewer than 7/8 of the
     search's work items (ALIGN_KEEPS_ITEMS)."""
-    if unsplit:
+    if disabled:
         return max(longest, 1)
     if fixed_split_tokens > 0:
         return fixed_split_tokens
+    if fills_gpu:
+        return max(longest, 1)
     lo, hi = min_chunk_tokens, max(longest, min_chunk_tokens)
     hi_items = None  # items_for(hi), once the search has counted it (each count is a pass over the batch)
     while lo < hi:
@@ -161,7 +164,7 @@ def plan_decode_oracle(
     def items_for(chunk: int) -> int:
         return sum(max(1, -(-n // chunk)) for n in lengths)
 
-    chunk = split_chunk_tokens(longest, disable_split_kv or batch * ctas_per_request >= max_ctas, fixed_split_tokens,
+    chunk = split_chunk_tokens(longest, disable_split_kv, batch * ctas_per_request >= max_ctas, fixed_split_tokens,
                                min_chunk_tokens, ctas_per_request, max_ctas, chunk_align_tokens, items_for)
     num_work = items_for(chunk)
     if num_work > layout.capacity:

@@ -174,7 +174,7 @@ def plan_prefill_oracle(
     def items_for(chunk: int) -> int:
         return sum(tiles[r] * chunks_of(r, chunk) for r in range(batch))
 
-    chunk = split_chunk_tokens(longest, disable_split_kv or total_tiles * num_kv_heads >= max_ctas, fixed_split_tokens,
+    chunk = split_chunk_tokens(longest, disable_split_kv, total_tiles * num_kv_heads >= max_ctas, fixed_split_tokens,
                                min_chunk_tokens, num_kv_heads, max_ctas, chunk_align_tokens, items_for)
     num_work = items_for(chunk)
     if num_work > layout.capacity:

@@ -136,7 +136,8 @@ def test_oracle_plan_tiles_every_request_once(b):
         spans = [kv - (max(0, kv - 1 - w) if w >= 0 else 0) for kv in b["kv_lens"]]
         assert_aligned_and_smallest(result.chunk_tokens, b["chunk_align_tokens"], b["max_ctas"] // b["ctas_per_request"],
                                     lambda chunk: sum(max(1, -(-n // chunk)) for n in spans), max(spans))
-    elif b["fixed_split_tokens"] and not b["disable_split_kv"] and batch * b["ctas_per_request"] < b["max_ctas"]:
+    elif b["fixed_split_tokens"] and not b["disable_split_kv"]:
+        # Whatever the batch: a request's chunks (its reduction order) must not depend on its neighbours.
         assert result.chunk_tokens == b["fixed_split_tokens"], "fixed_split_size keeps its meaning: never aligned"
     if b["disable_split_kv"]:
         assert result.num_work == batch and result.num_partials == 0
@@ -245,6 +246,22 @@ def test_oracle_refuses_bad_page_tables_naming_the_index(b, draw_index):
         with pytest.raises(PlanError) as info:
             oracle(bad, PlanLayout(len(bad["last_page_len"]), capacity_for(b), b["ctas_per_request"]))
         assert named in str(info.value)
+
+
+def test_fixed_split_cuts_a_request_alike_in_a_batch_that_fills_the_gpu():
+    """FlashInfer's fixed_split_size applies whatever the batch (batch-invariant serving sets it so a
+    request's chunks, so its reduction order, do not change with the batch around it): a 4096-token
+    request gets the same chunk boundaries alone and among 64 requests whose unsplit work already
+    fills the GPU (64 x 8 CTAs >= 264)."""
+    def plan(batch: int):
+        b = dict(indptr=[256 * r for r in range(batch + 1)], last_page_len=[16] * batch, page_size=16,
+                 num_indices=256 * batch, ctas_per_request=8, max_ctas=264, window_left=-1, fixed_split_tokens=1024,
+                 disable_split_kv=False, kv_lens=[4096] * batch, chunk_align_tokens=128)
+        return oracle(b, PlanLayout(batch, batch * 4, 8))[0]
+
+    alone, crowded = plan(1), plan(64)
+    assert alone.chunk_tokens == crowded.chunk_tokens == 1024
+    assert (alone.num_partials, crowded.num_partials) == (4, 64 * 4)
 
 
 def test_oracle_refuses_a_negative_first_offset():

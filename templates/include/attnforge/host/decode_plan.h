@@ -4,8 +4,9 @@
 // Contract (mirrored exactly by attnforge.planner, the Python oracle used in property tests):
 //   kv_len[r]   = pages ? (pages - 1) * page_size + last_page_len[r] : 0
 //   kv range[r] = [max(0, kv_len - 1 - window_left), kv_len)   (whole range without a window)
-//   chunk       = the whole longest range when splitting is off or the batch alone fills the GPU;
-//                 else fixed_split_tokens if set; else the smallest chunk >= min_chunk_tokens
+//   chunk       = the whole longest range when splitting is off; else fixed_split_tokens if set
+//                 (whatever the batch); else the whole longest range when the batch alone fills
+//                 the GPU; else the smallest chunk >= min_chunk_tokens
 //                 whose work-item count times ctas_per_request fits max_ctas (binary search),
 //                 rounded up to a multiple of chunk_align_tokens (the kernel's kv tile) unless
 //                 that passes the longest range or keeps < 7/8 of the items (split_kv.h).
@@ -68,7 +69,7 @@ int32_t plan_decode(const Args& a, Info* info) {
     for (int r = 0; r < batch; ++r) items += std::max<int64_t>(1, (range_len[r] + chunk - 1) / chunk);
     return items;
   };
-  const int64_t chunk = split_chunk_tokens(longest, a.disable_split_kv || int64_t(batch) * a.ctas_per_request >= a.max_ctas,
+  const int64_t chunk = split_chunk_tokens(longest, a.disable_split_kv, int64_t(batch) * a.ctas_per_request >= a.max_ctas,
                                            a.fixed_split_tokens, a.min_chunk_tokens, a.ctas_per_request, a.max_ctas,
                                            a.chunk_align_tokens, items_for);
   const int64_t num_work = items_for(chunk);

@@ -159,7 +159,7 @@ int32_t plan_prefill(const Args& a, Info* info) {
     for (const auto& q : requests) items += q.tiles * chunks_of(q, chunk);
     return items;
   };
-  const int64_t chunk = split_chunk_tokens(longest, a.disable_split_kv || total_tiles * a.num_kv_heads >= a.max_ctas,
+  const int64_t chunk = split_chunk_tokens(longest, a.disable_split_kv, total_tiles * a.num_kv_heads >= a.max_ctas,
                                            a.fixed_split_tokens, a.min_chunk_tokens, a.num_kv_heads, a.max_ctas,
                                            a.chunk_align_tokens, items_for);
   const int64_t num_work = items_for(chunk);

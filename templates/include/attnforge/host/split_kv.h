@@ -1,7 +1,9 @@
 // Role: the split-KV chunk choice both planners share (host code).
-// Contract: the whole longest kv range (one chunk per range) when splitting is off or the unsplit
-//   work already fills the GPU; else fixed_split_tokens when set (as given: fixed_split_size is
-//   FlashInfer's, in pages); else the smallest chunk >= min_chunk_tokens whose work-item count
+// Contract: the whole longest kv range (one chunk per range) when splitting is off; else
+//   fixed_split_tokens when set, whatever the batch (as given: fixed_split_size is FlashInfer's, in
+//   pages, and a request's chunks, so its reduction order, must not depend on what else is in the
+//   batch: batch-invariant serving relies on it); else the whole longest range when the unsplit
+//   work already fills the GPU; else the smallest chunk >= min_chunk_tokens whose work-item count
 //   times ctas_per_item fits max_ctas (binary search; the count never grows as the chunk grows, so
 //   the search is exact), rounded up to a multiple of align_tokens, the kernel's kv tile, unless
 //   that passes the longest range (then every range is one chunk either way) or leaves fewer than
@@ -22,10 +24,12 @@ namespace attnforge::host {
 inline constexpr int64_t kAlignKeepsItemsNum = 7, kAlignKeepsItemsDen = 8;
 
 template <typename ItemsFor>
-int64_t split_chunk_tokens(int64_t longest, bool unsplit, int64_t fixed_split_tokens, int64_t min_chunk_tokens,
-                           int64_t ctas_per_item, int64_t max_ctas, int64_t align_tokens, const ItemsFor& items_for) {
-  if (unsplit) return std::max<int64_t>(longest, 1);
+int64_t split_chunk_tokens(int64_t longest, bool disabled, bool fills_gpu, int64_t fixed_split_tokens,
+                           int64_t min_chunk_tokens, int64_t ctas_per_item, int64_t max_ctas, int64_t align_tokens,
+                           const ItemsFor& items_for) {
+  if (disabled) return std::max<int64_t>(longest, 1);
   if (fixed_split_tokens > 0) return fixed_split_tokens;
+  if (fills_gpu) return std::max<int64_t>(longest, 1);
   int64_t lo = min_chunk_tokens, hi = std::max(longest, min_chunk_tokens);
   int64_t hi_items = -1;  // items_for(hi), once the search has counted it (each count is a pass over the batch)
   while (lo < hi) {
