@@ -657,3 +657,39 @@ def test_bad_page_id_gives_nan_for_that_request_only(bad):
     others = [r for r in range(len(case.kv_lens)) if r != victim]
     torch.testing.assert_close(o[others].float(), o_ref[others], **O_TOL[case.module.dtype])
     torch.testing.assert_close(lse[others], lse_ref[others], **LSE_TOL)
+
+
+@pytest.mark.parametrize("use_tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
+def test_fixed_split_gives_a_request_the_same_bits_alone_and_in_a_full_batch(use_tensor_cores):
+    """fixed_split_size applies whatever the batch (FlashInfer's meaning, which batch-invariant serving
+    relies on): 128 requests of 1024 keys fill the GPU unsplit (128 x 8 kv heads >= any H100/H200's
+    resident CTAs), yet each is cut into 64-key chunks as it is alone, so request 0's output comes out
+    bit for bit the same in both plans."""
+    batch, kv_len, page_size, kv_heads, group, head_dim = 128, 1024, 16, 8, 4, 128
+    pages = kv_len // page_size
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    cache = tuple(torch.randn(batch * pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE,
+                              generator=gen) for _ in range(2))
+    q = torch.randn(batch, kv_heads * group, head_dim, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    indices = torch.randperm(batch * pages, device="cpu", generator=torch.Generator().manual_seed(6)).to(
+        torch.int32).to(DEVICE)
+
+    def run(requests: int) -> tuple[torch.Tensor, int]:
+        wrapper = attnforge.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE), use_tensor_cores=use_tensor_cores)
+        indptr = torch.arange(requests + 1, dtype=torch.int32) * pages
+        wrapper.plan(indptr, indices[: requests * pages], torch.full((requests,), page_size, dtype=torch.int32),
+                     kv_heads * group, kv_heads, head_dim, page_size, q_data_type=torch.bfloat16,
+                     fixed_split_size=4)
+        out = torch.full((requests, kv_heads * group, head_dim), NAN, dtype=torch.bfloat16, device=DEVICE)
+        wrapper.run(q[:requests], cache, out=out)
+        torch.cuda.synchronize()
+        inner = wrapper._tensor_cores  # the tensor-core path's prefill wrapper holds the plan image
+        partials = (inner._image.read_slot(PLAN_HEADER.index("num_partials")) if inner is not None
+                    else _num_partials(wrapper))
+        return out, partials
+
+    (crowded, crowded_partials), (alone, alone_partials) = run(batch), run(1)
+    assert alone_partials > 0 and crowded_partials == batch * alone_partials, "every request is cut alike"
+    assert not crowded.isnan().any()
+    assert torch.equal(crowded[:1], alone), "a request's bits must not depend on the batch around it"
