@@ -23,8 +23,8 @@ CUTE_BASE_WGMMA_WIDTHS = frozenset((8, 16, 32, 64, 96, 128, 192, 256))
 
 def fa3_cta_tile(spec: KernelSpec) -> int:
     """The FA3 kernel's one tile: a consumer warpgroup per 64 rows, three at 16-bit head dim 64, at
-    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (64 and 96 on the
-    padded tile dim 128; fa3/traits.cuh, PrefillTraits::kConsumerWarpgroups), else two."""
+    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (fa3/traits.cuh,
+    PrefillTraits::kConsumerWarpgroups), else two."""
     if spec.dtype_kv.is_fp8:
         three = spec.head_dim_vo <= 128
     else:
@@ -34,19 +34,18 @@ def fa3_cta_tile(spec: KernelSpec) -> int:
 
 
 def fa3_line_bytes(spec: KernelSpec, head_dim: int) -> int:
-    """The swizzle line of a tile whose rows hold `head_dim` elements (fa3/traits.cuh, line_bytes):
-    fp8 128 bytes (V^T's rows of 128 keys are 128-byte lines), 16-bit the widest of 128, 64 and 32
-    bytes that divides the row (hd 96, 160, 224: 64; hd 80, 112: 32)."""
+    """The swizzle line of a tile whose rows hold `head_dim` elements (fa3/traits.cuh, line_bytes): the
+    widest of 128, 64 and 32 bytes that divides the row (16-bit hd 96, 160, 224: 64; 80, 112: 32; fp8
+    64, 192: 64; 96: 32). fp8 V's staged rows keep 128-byte lines (PrefillTraits::kStagingDimVO); its
+    transposed tile's rows are the dims themselves."""
     row = head_dim * spec.dtype_kv.bytes
-    if spec.dtype_kv.is_fp8:
-        return 128
     return next(line for line in (128, 64, 32) if row % line == 0)
 
 
 def fa3_tile_dim(spec: KernelSpec, head_dim: int) -> int:
-    """A head dim as the kernel's tiles hold it (PrefillTraits::kTileDimQK/VO): whole swizzle lines
-    (fa3_line_bytes). 16-bit tiles are the head dim itself; fp8 ones whole 128-element lines (64, 96
-    -> 128, 192 -> 256: the padding zero-filled). The rendered units static_assert it."""
+    """A head dim as the prefill kernel's tiles hold it (PrefillTraits::kTileDimQK/VO): whole swizzle
+    lines (fa3_line_bytes), the head dim itself at every dim the rules accept. The rendered units
+    static_assert it."""
     line = fa3_line_bytes(spec, head_dim) // spec.dtype_kv.bytes
     return -(-head_dim // line) * line
 

@@ -32,9 +32,8 @@ DECODE_HEAD_DIMS = frozenset({(d, d) for d in HEAD_DIMS}) | FA2_WIDE_HEAD_DIMS
 SMALL_SMEM_ARCHS = frozenset({Arch.SM86, Arch.SM89})
 # fa2 prefill with an fp8 cache: one ldmatrix of K covers 32 one-byte dims.
 FA2_FP8_KV_PREFILL_HEAD_DIMS = frozenset(dims for dims in FA2_PREFILL_HEAD_DIMS if dims[0] % 32 == 0 and dims[1] % 32 == 0)
-# fp8 fa3: 128 one-byte elements fill a 128-byte swizzle line (16-bit tiles take 64- or 32-byte lines
-# where the dim needs them; fp8 V^T's rows are 128 keys); 64 and 96 run on a tile dim of 128, 192 on
-# 256 (zero-filled columns, fa3/traits.cuh kTileDimQK/VO), qk and vo equal.
+# fp8 fa3: qk and vo equal, at these dims only (the ones its GPU tests cover), each in the widest
+# swizzle lines that divide its rows (fa3/traits.cuh kTileDimQK/VO).
 FA3_FP8_PREFILL_HEAD_DIMS = frozenset({(64, 64), (96, 96), (128, 128), (192, 192), (256, 256)})
 
 
@@ -249,7 +248,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "fa3-fp8-head-dims",
         "fa3 fp8 has no kernel for head dims (qk {s.head_dim_qk}, vo {s.head_dim_vo}): it runs equal qk and vo, "
-        "padded to whole 128-byte swizzle lines, at the listed dims only",
+        "at the listed dims only",
         "use head dims " + _pairs(FA3_FP8_PREFILL_HEAD_DIMS) + ", or a 16-bit query and KV cache",
         lambda s: _fa3(s) and s.dtype_q.is_fp8 and _dims(s) not in FA3_FP8_PREFILL_HEAD_DIMS,
     ),

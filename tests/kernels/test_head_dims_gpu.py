@@ -1,6 +1,6 @@
 """Every head dim between the natural tile widths (80, 96, 112, 160, 192, 224: rows that do not fill
 whole 128-byte lines or power-of-two lane groups; 16-bit fa3 holds all but 192 in 32- or 64-byte
-swizzle lines) in every kernel family, fa3 fp8 at 64, 96 and 192 (tile dims 128 and 256), qk > vo
+swizzle lines) in every kernel family, fa3 fp8 at 64, 96 and 192 (64- and 32-byte lines), qk > vo
 pairs in prefill (fa2 (256, 128) and (256, 64); fa3 (256, 64) on its narrow kv tiles and (160, 96)
 on 64-byte lines), and head dim 512 in fa2's (decode rows of two cells a lane; prefill o split
 over two CTAs, each storing its half of the columns, one the lse), against attnforge.reference.

@@ -56,6 +56,9 @@ DECODES = {
     "tensor-cores-fa3-rows-64": DecodeLaunch(True, "fa3", group=16),
     "tensor-cores-fa3-fp8": DecodeLaunch(True, "fa3", q_dtype=E4M3, kv_dtype=E4M3),
     "tensor-cores-fa3-fp8-page5": DecodeLaunch(True, "fa3", q_dtype=E4M3, kv_dtype=E4M3, page_size=5),
+    # fp8 on narrow lines: hd 96's keys along M on a V^T of 128 rows (32 never written), hd 64's 64-row items
+    "tensor-cores-fa3-fp8-hd96": DecodeLaunch(True, "fa3", q_dtype=E4M3, kv_dtype=E4M3, head_dim=96),
+    "tensor-cores-fa3-fp8-hd64-rows-64": DecodeLaunch(True, "fa3", q_dtype=E4M3, kv_dtype=E4M3, head_dim=64, group=16),
     "multi-token-fa2": DecodeLaunch(True, q_len=3),
     "multi-token-fa3": DecodeLaunch(True, "fa3", q_len=3),
     "cuda-cores-sinks": DecodeLaunch(False, sinks=True),
@@ -133,6 +136,10 @@ PREFILLS = {
     "fa3-fp8-paged": PrefillLaunch("fa3", 16, dtype=E4M3),
     "fa3-fp8-ragged": PrefillLaunch("fa3", None, dtype=E4M3),
     "fa3-fp8-paged-page5": PrefillLaunch("fa3", 5, dtype=E5M2),
+    # fp8 on narrow lines: 32-byte Q/K lines with V transposed ahead (ragged), 64-byte ones with V rows
+    # staged in 256-column lines and transposed into a V^T of 192 rows (paged)
+    "fa3-fp8-ragged-hd96": PrefillLaunch("fa3", None, dtype=E4M3, head_dims=(96, 96)),
+    "fa3-fp8-paged-hd192": PrefillLaunch("fa3", 16, dtype=E5M2, head_dims=(192, 192)),
     "fa2-paged-sinks": PrefillLaunch("fa2", 16, sinks=True),
     "fa3-ragged-sinks": PrefillLaunch("fa3", None, sinks=True),
 }

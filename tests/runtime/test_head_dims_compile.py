@@ -3,7 +3,7 @@ admits a shape its kernel cannot instantiate would otherwise surface as a build 
 user's first plan(). One module per (kind, backend, head dims) of the unpadded dims (rows of whole
 128-byte lines), built for sm_90a; fa2 variants also go to sm_80 through test_build_load. The head
 dims between them (80-112, 160, 224, and 192 where a row spans 24 cells) share one code path per
-family (fa3 16-bit: narrow swizzle lines): one module per class (PADDED, PADDED_FP8), few enough
+family (fa3: narrow swizzle lines): one module per class (PADDED, PADDED_FP8), few enough
 for CI's two cores."""
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ PAIRS = [KernelSpec(kind=Kind.PREFILL, backend=backend, dtype_q=DType.BF16, dtyp
                     head_dim_qk=256, head_dim_vo=64, archs=(arch,))
          for backend, arch in [(Backend.FA2, Arch.SM80), (Backend.FA3, Arch.SM90A)]]
 SPECS += PAIRS
-# fa3 fp8 on a padded tile dim, one module per class (e4m3 hd 96: tile dim 128, three warpgroups, the
-# decode instantiations with the keys along M; e5m2 hd 192: tile dim 256, two warpgroups): zero-filled
-# Q/K columns, V^T of the real dims, the padding rows of O^T unstored.
+# fa3 fp8 on narrow swizzle lines, one module per class (e4m3 hd 96: 32-byte Q/K lines, three
+# warpgroups, the decode instantiations with the keys along M, whose V^T keeps 128 rows; e5m2 hd 192:
+# 64-byte lines, two warpgroups): V staged in 128-byte rows, V^T of the real dims.
 PADDED_FP8 = [KernelSpec(kind=Kind.PREFILL, backend=Backend.FA3, dtype_q=fp8, dtype_kv=fp8, dtype_o=DType.BF16,
                          head_dim_qk=dim, head_dim_vo=dim, archs=(Arch.SM90A,))
               for fp8, dim in [(DType.E4M3, 96), (DType.E5M2, 192)]]

@@ -183,8 +183,8 @@ __device__ __forceinline__ void box_vt_tile(typename T::SharedStorage& smem, con
 template <typename T>
 __device__ __forceinline__ void box_v_rows(typename T::SharedStorage& smem, const KernelArgs<T>& args,
                                            const TileBoxes& boxes, int buffer, int kv_head) {
-  box_tile<T, T::kTileDimVO, T::kLineElementsVO, 1>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
-                             &smem.v_rows_full[buffer], T::kTileBytesV, [&](int row, int col) {
+  box_tile<T, T::kStagingDimVO, T::kLineElementsVO, 1>(args.v_pages, boxes, kv_head, reinterpret_cast<uint8_t*>(smem.v_rows),
+                             &smem.v_rows_full[buffer], T::kStagingTileBytes, [&](int row, int col) {
                                return swizzled_offset<typename T::SmemLayoutVRows, typename T::Element>(row, col, buffer);
                              });
 }

@@ -72,11 +72,11 @@ __host__ __device__ constexpr int p_key_of_slot(int slot) {
   return slot / 16 * 16 + 2 * lane + i % 2 + 8 * (i / 2);
 }
 
-// The swizzle line (bytes) of a tile whose rows hold `dim` elements of `element_bytes`: fp8 128,
-// 16-bit the widest of 128, 64 and 32 that divides the row (PrefillTraits::kLineBytesQK/VO).
+// The swizzle line (bytes) of a tile whose rows hold `dim` elements of `element_bytes`: the widest
+// of 128, 64 and 32 that divides the row (PrefillTraits::kLineBytesQK/VO).
 __host__ __device__ constexpr int line_bytes(int dim, int element_bytes) {
   const int bytes = dim * element_bytes;
-  return element_bytes == 1 || bytes % 128 == 0 ? 128 : bytes % 64 == 0 ? 64 : 32;
+  return bytes % 128 == 0 ? 128 : bytes % 64 == 0 ? 64 : 32;
 }
 
 // CuTe's GMMA shared-memory atoms of one swizzle line: K-major (the line along K) and MN-major.
@@ -157,21 +157,21 @@ struct PrefillTraits {
   static constexpr int kElementBytes = int(sizeof(DTypeKV));
   // The tile-size choice for the head dims starts here (kLineBytes*, kTileDim*, then kInOrder,
   // kConsumerWarpgroups, kBlockN, kStages below). Tiles are built of column blocks of one swizzle
-  // line each (a TMA box's width): 16-bit tiles take the widest line of 128, 64 or 32 bytes that
-  // divides the head dim's row (hd 96, 160, 224: 64 bytes; 80, 112: 32), so every wgmma does the
-  // head dim's own work. fp8 keeps 128-byte lines (V^T's rows of 128 keys are 128-byte lines, and
-  // its transposes move 16-byte cells of them), so fp8 64, 96 -> 128 and 192 -> 256 run on the
-  // padded tile dim: TMA boxes fill the columns past the tensor maps' real extent with zeros, the
-  // gathering copies zero-fill them without a read, so Q and K padding adds 0 to q.k; P.V's padding
-  // columns are never stored. fp8 V^T's padding rows (dims) are never written at all (the
-  // transposes and the box of V transposed ahead move the real dims only): whatever they hold
-  // reaches only those unstored columns of o (each column of P.V reads its own dim of V alone).
+  // line each (a TMA box's width), the widest of 128, 64 or 32 bytes that divides the head dim's row
+  // (16-bit hd 96, 160, 224: 64 bytes, 80, 112: 32; fp8 64, 192: 64, 96: 32), so every wgmma does
+  // the head dim's own work. fp8 V comes apart: its rows land by 128-byte lines in staging buffers
+  // (kStagingDimVO: a 96 or 192-dim row's last columns are TMA zeros, or never gathered), and the
+  // transposes move the real dims into V^T, whose rows are the dims (kTileDimVO, the head dim) and
+  // whose lines are 128 keys. The keys-along-M decode instance multiplies V^T P^T with the dims
+  // along M, whole 64-row wgmmas: its hd 96 V^T has 128 rows, the last 32 never written, which
+  // reach only O^T's unstored rows (each row of V^T P^T reads its own dim alone).
   static constexpr int kLineBytesQK = line_bytes(kHeadDimQK, kElementBytes);
-  static constexpr int kLineBytesVO = line_bytes(kHeadDimVO, kElementBytes);
+  static constexpr int kLineBytesVO = kFp8 ? 128 : line_bytes(kHeadDimVO, kElementBytes);  // fp8: staged rows
   static constexpr int kLineElementsQK = kLineBytesQK / kElementBytes;
   static constexpr int kLineElementsVO = kLineBytesVO / kElementBytes;
   static constexpr int kTileDimQK = (kHeadDimQK + kLineElementsQK - 1) / kLineElementsQK * kLineElementsQK;
-  static constexpr int kTileDimVO = (kHeadDimVO + kLineElementsVO - 1) / kLineElementsVO * kLineElementsVO;
+  static constexpr int kStagingDimVO = (kHeadDimVO + kLineElementsVO - 1) / kLineElementsVO * kLineElementsVO;
+  static constexpr int kTileDimVO = !kFp8 ? kStagingDimVO : kKeysAlongM ? (kHeadDimVO + 63) / 64 * 64 : kHeadDimVO;
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimVO % 16 == 0 && kHeadDimQK <= 256 && kHeadDimVO <= 256,
                 "fa3 prefill head dims: multiples of 16 up to 256 (rules head-dims-multiple-of-16, prefill-head-dims-max-256)");
   static_assert(!kFp8 || kHeadDimQK == kHeadDimVO, "fa3 fp8 head dims: qk = vo (rule fa3-fp8-head-dims)");
@@ -235,6 +235,7 @@ struct PrefillTraits {
   static constexpr int kTileBytesK = kBlockN * kTileDimQK * kElementBytes;
   static constexpr int kTileBytesV = kBlockN * kTileDimVO * kElementBytes;
   static constexpr int kStageBytes = kTileBytesK + kTileBytesV;
+  static constexpr int kStagingTileBytes = kBlockN * kStagingDimVO * kElementBytes;  // fp8 V rows as they lie
   // V transposed ahead comes as one box of the real dims (encode_vt_map), kTileBytesV where the
   // head dim fills the tile.
   static constexpr int kVtBoxBytes = kBlockN * kHeadDimVO * kElementBytes;
@@ -247,8 +248,8 @@ struct PrefillTraits {
   // (hd 128: prefill requests rows up to three tiles ahead, and in decode items warpgroup 1's
   // transposes may trail the producer by as much), else two.
   static constexpr int kVStaging =
-      !kFp8 || kVtAhead ? 0 : (fits_smem(kQBytes + 3 * kStageBytes + 4 * kTileBytesV) ? 4 : 2);
-  static constexpr int kStagingBytes = kVStaging * kTileBytesV;
+      !kFp8 || kVtAhead ? 0 : (fits_smem(kQBytes + 3 * kStageBytes + 4 * kStagingTileBytes) ? 4 : 2);
+  static constexpr int kStagingBytes = kVStaging * kStagingTileBytes;
   // Four stages where V comes transposed ahead (hd 128: the staging buffers' room is free), else
   // three where they fit, else two.
   static constexpr int kStages =
@@ -316,7 +317,7 @@ struct PrefillTraits {
       VtAtom{}, cute::Shape<cute::Int<kTileDimVO>, cute::Int<kBlockN>, cute::Int<kStages>>{}, VtOrder{}));
   using SmemLayoutVRows = decltype(cute::tile_to_shape(
       typename AtomsVO::K{},
-      cute::Shape<cute::Int<kBlockN>, cute::Int<kTileDimVO>, cute::Int<kVStaging != 0 ? kVStaging : 1>>{}));
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kStagingDimVO>, cute::Int<kVStaging != 0 ? kVStaging : 1>>{}));
   // P as the PV wgmma's A operand: the 16-bit ((2, 2, 2), 1, N/16) of 16-key blocks, or the fp8
   // ((4, 2, 2), 1, N/32) of 32-key blocks; both hold S's kBlockN / 2 values per thread.
   using FragmentPShape = std::conditional_t<
@@ -348,7 +349,7 @@ struct PrefillTraits {
     alignas(1024) Element q[kQBuffers * kBlockM * kTileDimQK];  // 128-byte swizzle atoms are 1024 bytes
     alignas(1024) Element k[kStages * kBlockN * kTileDimQK];
     alignas(1024) Element v[kStages * kBlockN * kTileDimVO];
-    alignas(1024) Element v_rows[kVStaging * kBlockN * kTileDimVO];  // fp8: V as it lies in memory
+    alignas(1024) Element v_rows[kVStaging * kBlockN * kStagingDimVO];  // fp8: V as it lies in memory
     // Keys along M: P^T of tiles n % 2, and the rows' maxima (by tile parity) and sums of the four
     // warps (each warp's keys are a quarter of the tile's).
     alignas(1024) ElementP p[kKeysAlongM ? 2 * 8 * kBlockN : 0];
