@@ -48,6 +48,9 @@ DTYPE = prefill.DTYPE
 # head dims with both an fa3 fp8 kernel and acceptance heads; the acceptance config runs 128 and 256
 HEAD_DIMS = sorted(qk for qk, vo in FA3_FP8_PREFILL_HEAD_DIMS if qk == vo and qk in prefill.HEADS_BY_HEAD_DIM)
 DEFAULT_HEAD_DIMS = [128, 256]
+# The dims FlashInfer's fp8 modules are timed at: those `_peers prebuild` builds (timed_modules). At
+# another its first call would JIT-compile two modules (~100 s each), so those cells are n/a.
+PEER_HEAD_DIMS = tuple(DEFAULT_HEAD_DIMS)
 # fp8 output vs the bf16 output of the same contents: e4m3 P keeps 3 mantissa bits, so a few percent
 MAX_REL_L2 = 5e-2
 
@@ -160,6 +163,14 @@ class PrefillRow:
         return self.fp8_ragged_tflops / self.cudnn_tflops if self.cudnn_tflops else None
 
 
+def timed_peer(peer, head_dim: int, notes: list):
+    """The peer where it is timed at head_dim, else None and a note saying why (a present peer only)."""
+    if peer is not None and peer.present and (skipped := _peers.skip_note(head_dim, PEER_HEAD_DIMS)):
+        notes.append(skipped)
+        return None
+    return peer
+
+
 def peer_tflops(peer, problem: prefill.Problem, causal: bool, backend: str, scales: dict, ref: torch.Tensor,
                 flops: float, args, notes: list) -> tuple[dict, float | None]:
     """({paged: FlashInfer's TFLOP/s or None}, the worst relative L2 of its outputs against ref) of the
@@ -188,6 +199,7 @@ def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, arg
     notes, errors = [], {}
     cudnn_us = prefill.sdpa_peer_us(bf16, batch, causal, "cudnn", SDPBackend.CUDNN_ATTENTION, runs["bf16 ragged"][1],
                                     args, notes, errors)
+    peer = timed_peer(peer, h.dim, notes)
     theirs, peer_err = peer_tflops(peer, fp8, causal, "fa3", SCALES.kwargs, runs["bf16 ragged"][1], flops, args, notes)
     del fp8, bf16, runs
     torch.cuda.empty_cache()
@@ -251,6 +263,7 @@ def measure_fp8_kv_prefill(batch: int, length: int, h: prefill.Heads, causal: bo
     flops = prefill.flop_count(batch, length, h, causal)
     tflops = {key: flops / (time_cuda_us(run, args.iters, args.warmup) * 1e6) for key, (run, _) in runs.items()}
     notes = []
+    peer = timed_peer(peer, h.dim, notes)
     theirs, peer_err = peer_tflops(peer, fp8_kv, causal, "fa2", KV_SCALES, runs["bf16 ragged"][1], flops, args, notes)
     del bf16, fp8_kv, runs
     torch.cuda.empty_cache()
@@ -351,7 +364,7 @@ def measure_decode(path: DecodePath, table: decode.Problem, cache16: tuple, grou
 
 def warm_peer(peer, args) -> None:
     """The first call of every FlashInfer module the run needs, on small problems, before timing."""
-    for dim in args.head_dims:
+    for dim in (d for d in args.head_dims if not _peers.skip_note(d, PEER_HEAD_DIMS)):
         small = prefill.make_problem(1, 128, prefill.Heads.for_head_dim(dim))
         if "fa3" in prefill.BACKENDS:
             peer.warm(prefill.builds(converted(small, quantize), True, [("fa3", True), ("fa3", False)], SCALES.kwargs))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnforge.benchmarks import fp8, prefill
+from attnforge.benchmarks import _peers, fp8, prefill
 
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
 
@@ -109,3 +109,14 @@ def test_fp8_kv_prefill_table_reports_the_ratio_to_the_bf16_cache():
     header = next(line for line in lines if line.startswith("| batch x len"))
     assert header.count("|") == lines[-1].count("|")
     assert "Decode" not in table and "fa2, bf16 q over an e4m3 KV cache" in table
+
+
+def test_flashinfer_is_timed_only_at_the_fp8_dims_its_modules_are_prebuilt_for():
+    """At fp8 hd 64, 96 or 192 FlashInfer's first call would JIT-compile its modules (~100 s each) inside
+    the run: those rows get a note instead of a peer call; an absent peer needs no note (its reason is
+    the run's)."""
+    peer, notes = _peers.Peer(object()), []
+    assert fp8.timed_peer(peer, 128, notes) is peer and notes == []
+    assert fp8.timed_peer(peer, 96, notes) is None
+    assert notes == ["FlashInfer not run at hd 96 (timed at hd 128, 256 only)"]
+    assert fp8.timed_peer(_peers.Peer(None, "absent"), 96, []) is not None
