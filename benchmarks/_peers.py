@@ -78,6 +78,15 @@ def skip_note(head_dim: int, timed=HEAD_DIMS) -> str:
     return f"FlashInfer not run at hd {head_dim} (timed at hd {', '.join(map(str, timed))} only)"
 
 
+def timed_peer(peer, head_dim: int, notes: list, timed=HEAD_DIMS):
+    """The peer where it is timed at head_dim, else None and skip_note's reason in notes (a present
+    peer only: an absent one's reason is the run's)."""
+    if peer is not None and peer.present and (skipped := skip_note(head_dim, timed)):
+        notes.append(skipped)
+        return None
+    return peer
+
+
 def add_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-flashinfer", action="store_true",
                         help="skip the FlashInfer peer (used when it is importable)")

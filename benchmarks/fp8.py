@@ -163,14 +163,6 @@ class PrefillRow:
         return self.fp8_ragged_tflops / self.cudnn_tflops if self.cudnn_tflops else None
 
 
-def timed_peer(peer, head_dim: int, notes: list):
-    """The peer where it is timed at head_dim, else None and a note saying why (a present peer only)."""
-    if peer is not None and peer.present and (skipped := _peers.skip_note(head_dim, PEER_HEAD_DIMS)):
-        notes.append(skipped)
-        return None
-    return peer
-
-
 def peer_tflops(peer, problem: prefill.Problem, causal: bool, backend: str, scales: dict, ref: torch.Tensor,
                 flops: float, args, notes: list) -> tuple[dict, float | None]:
     """({paged: FlashInfer's TFLOP/s or None}, the worst relative L2 of its outputs against ref) of the
@@ -199,7 +191,7 @@ def measure_prefill(batch: int, length: int, h: prefill.Heads, causal: bool, arg
     notes, errors = [], {}
     cudnn_us = prefill.sdpa_peer_us(bf16, batch, causal, "cudnn", SDPBackend.CUDNN_ATTENTION, runs["bf16 ragged"][1],
                                     args, notes, errors)
-    peer = timed_peer(peer, h.dim, notes)
+    peer = _peers.timed_peer(peer, h.dim, notes, PEER_HEAD_DIMS)
     theirs, peer_err = peer_tflops(peer, fp8, causal, "fa3", SCALES.kwargs, runs["bf16 ragged"][1], flops, args, notes)
     del fp8, bf16, runs
     torch.cuda.empty_cache()
@@ -263,7 +255,7 @@ def measure_fp8_kv_prefill(batch: int, length: int, h: prefill.Heads, causal: bo
     flops = prefill.flop_count(batch, length, h, causal)
     tflops = {key: flops / (time_cuda_us(run, args.iters, args.warmup) * 1e6) for key, (run, _) in runs.items()}
     notes = []
-    peer = timed_peer(peer, h.dim, notes)
+    peer = _peers.timed_peer(peer, h.dim, notes, PEER_HEAD_DIMS)
     theirs, peer_err = peer_tflops(peer, fp8_kv, causal, "fa2", KV_SCALES, runs["bf16 ragged"][1], flops, args, notes)
     del bf16, fp8_kv, runs
     torch.cuda.empty_cache()

@@ -374,9 +374,8 @@ def measure(batch: int, length: int, h: Heads, causal: bool, args, peer: _peers.
         us = sdpa_peer_us(problem, batch, causal, name, backend, reference_out, args, notes, errors)
         peers[name] = tflops(us) if us else None
     theirs, peer_err = {}, None
-    if peer is not None and peer.present and (skipped := _peers.skip_note(h.dim)):
-        notes.append(skipped)
-    elif peer is not None:
+    peer = _peers.timed_peer(peer, h.dim, notes)
+    if peer is not None:
         us, peer_err = peer_us(peer, builds(problem, causal, outs),
                                {call_key(*path, problem): out for path, out in outs.items()}, args, notes)
         theirs = {path: tflops(us[call_key(*path, problem)]) if us[call_key(*path, problem)] else None for path in outs}

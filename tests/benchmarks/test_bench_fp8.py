@@ -116,7 +116,7 @@ def test_flashinfer_is_timed_only_at_the_fp8_dims_its_modules_are_prebuilt_for()
     the run: those rows get a note instead of a peer call; an absent peer needs no note (its reason is
     the run's)."""
     peer, notes = _peers.Peer(object()), []
-    assert fp8.timed_peer(peer, 128, notes) is peer and notes == []
-    assert fp8.timed_peer(peer, 96, notes) is None
+    assert _peers.timed_peer(peer, 128, notes, fp8.PEER_HEAD_DIMS) is peer and notes == []
+    assert _peers.timed_peer(peer, 96, notes, fp8.PEER_HEAD_DIMS) is None
     assert notes == ["FlashInfer not run at hd 96 (timed at hd 128, 256 only)"]
-    assert fp8.timed_peer(_peers.Peer(None, "absent"), 96, []) is not None
+    assert _peers.timed_peer(_peers.Peer(None, "absent"), 96, [], fp8.PEER_HEAD_DIMS) is not None
