@@ -25,7 +25,8 @@ K/V read per call is 4 MB to 17 GB against a 50-60 MB L2, so only the smallest c
 graph only its first run starts from a flushed L2, so use it with --eager). GB/s counts the bytes a
 decode must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy
 bandwidth is a ~4 GB device-to-device tensor copy in the same process, counting read + write bytes;
-each row also times a copy of its own bytes (half read, half written) as its run() calls are timed:
+each row also times an SM kernel copying its own bytes (half read, half written; an elementwise op, as
+a copy_ in a CUDA graph becomes a slower memcpy node) as its run() calls are timed:
 the bandwidth-bound time at that size, launch and ramp included (a 67 MB read cannot run at a 4 GB
 copy's rate), the floor for the small shapes.
 The SDPA peers get a dense bf16 [B, Hkv, L, D] cache holding the same contents as the paged one; they
@@ -230,7 +231,7 @@ class Row:
     flashinfer_tc_us: float | None = None
     flashinfer_max_abs_vs_ours: float | None = None  # the worse of its two paths' outputs against ours
     head_dim: int = HEAD_DIM
-    # A D2D copy moving the row's bytes (read + write), same timer: the bandwidth-bound time at this
+    # An SM kernel moving the row's bytes (read + write), same timer: the bandwidth-bound time at this
     # size, launch and ramp included, which a small decode cannot beat however fast its loop
     copy_us: float | None = None
 
@@ -267,11 +268,12 @@ def timed_us(run, args, flush, notes: list, what: str) -> float:
 
 
 def same_bytes_copy_us(nbytes: int, args, flush) -> float:
-    """µs of a device-to-device copy of nbytes / 2 bytes (so nbytes read + written), timed as the rows'
-    run() calls are (timed_us)."""
-    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda").random_()
+    """µs of an SM kernel reading nbytes / 2 bytes and writing as many (an elementwise op on int64
+    words), timed as the rows' run() calls are (timed_us). Not copy_: inside a CUDA graph a
+    device-to-device copy becomes a memcpy node, which does not run at the SMs' copy rate."""
+    src = torch.empty(max(nbytes // 16, 1), dtype=torch.int64, device="cuda").random_()
     dst = torch.empty_like(src)
-    return timed_us(lambda: dst.copy_(src), args, flush, [], "copy")
+    return timed_us(lambda: torch.bitwise_not(src, out=dst), args, flush, [], "copy")
 
 
 def skipped_row(kv_name: str, head_dim: int, batch: int, kv_len: int, why: str) -> Row:
@@ -507,7 +509,7 @@ def config(args, peer: _peers.Peer | None = None) -> dict:
                 iters=args.iters, warmup=args.warmup, settle_s=SETTLE_SECONDS, l2_flush=args.flush_l2,
                 graph_runs=None if args.eager else args.graph_runs, timer=timer(args),
                 bytes="q + K + V + o", copy="4 GiB D2D copy, read + write",
-                same_bytes_copy="a D2D copy reading and writing half the row's bytes each, timed as the row",
+                same_bytes_copy="an elementwise SM kernel reading and writing half the row's bytes each, timed as the row",
                 peers="torch SDPA cuDNN and FLASH on a dense bf16 cache", plan_kv_len=PLAN_KV_LEN,
                 sinks=None if args.no_sinks else dict(batch=SINKS_BATCH, kv_len=SINKS_KV_LEN, head_dim=HEAD_DIM,
                                                       kv_dtype="bf16", sinks="fp32 [num_qo_heads], random"),
