@@ -26,7 +26,7 @@ graph only its first run starts from a flushed L2, so use it with --eager). GB/s
 decode must move once: q + K + V + o, K and V at the cache's element size (1 byte for fp8). The copy
 bandwidth is a ~4 GB device-to-device tensor copy in the same process, counting read + write bytes;
 each row also times an SM kernel copying its own bytes (half read, half written; an elementwise op, as
-a copy_ in a CUDA graph becomes a slower memcpy node) as its run() calls are timed:
+a copy_ in a CUDA graph becomes a memcpy node, slower from ~1 GB) as its run() calls are timed:
 the bandwidth-bound time at that size, launch and ramp included (a 67 MB read cannot run at a 4 GB
 copy's rate), the floor for the small shapes.
 The SDPA peers get a dense bf16 [B, Hkv, L, D] cache holding the same contents as the paged one; they
@@ -270,7 +270,8 @@ def timed_us(run, args, flush, notes: list, what: str) -> float:
 def same_bytes_copy_us(nbytes: int, args, flush) -> float:
     """µs of an SM kernel reading nbytes / 2 bytes and writing as many (an elementwise op on int64
     words), timed as the rows' run() calls are (timed_us). Not copy_: inside a CUDA graph a
-    device-to-device copy becomes a memcpy node, which does not run at the SMs' copy rate."""
+    device-to-device copy becomes a memcpy node, which ran 20% under the SMs' copy rate from 1 GB
+    (H100; equal up to 256 MB)."""
     src = torch.empty(max(nbytes // 16, 1), dtype=torch.int64, device="cuda").random_()
     dst = torch.empty_like(src)
     return timed_us(lambda: torch.bitwise_not(src, out=dst), args, flush, [], "copy")
