@@ -3,7 +3,8 @@
 //   launch and occupancy query.
 //
 // Contract:
-//   grid  = (work_capacity * num_head_tiles, num_kv_heads); block = (kBdx, kBdy, kBdz), 128 threads.
+//   grid  = work_capacity * num_head_tiles * num_kv_heads CTAs in x, the kv head fastest;
+//   block = (kBdx, kBdy, kBdz), 128 threads.
 //   A CTA takes one planned work item (request, kv token range [begin, end)) for one kv head and
 //   up to kHeadsPerCta of the query heads that share it, so K/V are read once per group; a work
 //   index at or past the plan's num_work (padding of a static CUDA-graph grid) exits at once.
@@ -89,10 +90,13 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   int32_t* plan = static_cast<int32_t*>(p.plan);
 
   common::wait_for_prior_grids();  // PDL: the plan, q and K/V may come from the kernel before
-  const int work = blockIdx.x / p.num_head_tiles;
+  // kv head fastest: a request's kv heads start together over the same tokens, so the pages' token
+  // rows (all heads side by side) are read at once; apart, a head slice that does not fill its 64-byte
+  // DRAM bursts (16-bit hd 80, 112) fetches its neighbours' bytes again.
+  const int kv_head = blockIdx.x % p.num_kv_heads;
+  const int work = blockIdx.x / p.num_kv_heads / p.num_head_tiles;
   if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
-  const int head_tile = blockIdx.x % p.num_head_tiles;
-  const int kv_head = blockIdx.y;
+  const int head_tile = blockIdx.x / p.num_kv_heads % p.num_head_tiles;
   const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
   const int tid = tx + T::kBdx * (ty + T::kBdy * tz);
 
@@ -327,7 +331,9 @@ cudaError_t launch_decode(const typename T::Params& p, cudaStream_t stream) {
     const cudaError_t err = cudaFuncSetAttribute(decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(p.work_capacity * p.num_head_tiles, p.num_kv_heads);
+  const int64_t ctas = int64_t(p.work_capacity) * p.num_head_tiles * p.num_kv_heads;
+  if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;  // gridDim.x's limit is 2^31 - 1
+  const dim3 grid(static_cast<unsigned>(ctas));
   const dim3 block(T::kBdx, T::kBdy, T::kBdz);
   return host::launch_kernel(decode_kernel<T>, grid, block, kSmem, stream, p.enable_pdl != 0, p);
 }

@@ -2,7 +2,8 @@
 //   or ragged KV, composed from the prefill role headers; with its launch and occupancy query.
 //
 // Contract:
-//   grid = (work_capacity, num_kv_heads, kVOSlices); block = 128 threads (4 warps). A CTA takes one
+//   grid = (work_capacity, num_kv_heads, kVOSlices), or (work_capacity * num_kv_heads, 1, kVOSlices)
+//   with the kv head fastest (kKvHeadFastest: the 16-row tile); block = 128 threads (4 warps). A CTA takes one
 //   planned work item (request, q tile, kv token range [begin, end)) for one kv head and one slice of
 //   o's columns (all of them below head dim 512); a work index at or past the plan's num_work
 //   (padding of a static CUDA-graph grid) exits at once. Its kCtaTileQ rows are
@@ -53,9 +54,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) prefill_kernel(
   int32_t* plan = static_cast<int32_t*>(p.plan);
 
   common::wait_for_prior_grids();  // PDL: the plan, q and K/V may come from the kernel before
-  const int work = blockIdx.x;
+  const int work = T::kKvHeadFastest ? blockIdx.x / p.num_kv_heads : blockIdx.x;
   if (work >= plan[common::kPlanNumWork]) return;  // padding of a static (CUDA-graph) grid
-  const int kv_head = blockIdx.y;
+  const int kv_head = T::kKvHeadFastest ? blockIdx.x % p.num_kv_heads : blockIdx.y;
   const int vo_first = T::kVOSlices > 1 ? blockIdx.z * T::kSliceVO : 0;  // this CTA's first column of V and o
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warp_q = warp % T::kWarpsQ, warp_kv = warp / T::kWarpsQ;
@@ -213,7 +214,9 @@ template <typename T>
 cudaError_t launch_prefill(const typename T::Params& p, cudaStream_t stream) {
   const cudaError_t err = prefill_set_smem<T>();
   if (err != cudaSuccess) return err;
-  const dim3 grid(p.work_capacity, p.num_kv_heads, T::kVOSlices);
+  const int64_t ctas_x = int64_t(p.work_capacity) * (T::kKvHeadFastest ? p.num_kv_heads : 1);
+  if (ctas_x > INT32_MAX) return cudaErrorInvalidConfiguration;  // gridDim.x's limit is 2^31 - 1
+  const dim3 grid(static_cast<unsigned>(ctas_x), T::kKvHeadFastest ? 1 : p.num_kv_heads, T::kVOSlices);
   return host::launch_kernel(prefill_kernel<T>, grid, dim3(T::kThreads), sizeof(typename T::SharedStorage), stream,
                              p.enable_pdl != 0, p);
 }

@@ -80,6 +80,10 @@ struct PrefillTraits {
   static constexpr int kThreads = 128;
   static constexpr int kWarps = 4;
   static constexpr int kWarpsQ = kCtaTileQ == 16 ? 1 : 4;  // warps along q rows
+  // The decode-shaped tile (16 rows) takes the kv head as the fastest grid index: a request's kv heads
+  // then read the same token rows at once, so a head slice that does not fill its 64-byte DRAM bursts
+  // (16-bit hd 80 and 112 in NHD pages) finds its neighbours' bytes in L2 instead of fetching them again.
+  static constexpr bool kKvHeadFastest = kCtaTileQ == 16;
   static constexpr int kWarpsKV = kWarps / kWarpsQ;         // warps along kv columns
   static constexpr int kMmaQ = kCtaTileQ / (16 * kWarpsQ);  // m16 row blocks per warp
   // The tile-size choice for o's columns: a warp's fp32 o accumulator holds 16 rows x kSliceVO / 32
