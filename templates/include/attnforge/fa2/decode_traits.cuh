@@ -119,7 +119,7 @@ struct DecodeTraits {
   // SM: more warps to hide shuffle and load latency, and more loads in flight than 4 stages at 3
   // CTAs per SM. A 16-bit tensor-core tile takes 16 KB (64 rows of 128 columns, or 32 of 256) and 2
   // CTAs per SM: the same bytes in flight, of which only a padded row's real share (kv_tiles.py
-  // bounds it from below) is useful; hd 80-112 reach 76-80% of DRAM peak where hd 128 reaches 88%.
+  // bounds it from below) is useful; a ring of real-width rows (3 CTAs per SM at hd 80) ran slower.
   static constexpr int kTileTokens = kMmaTile ? 16 * kMmaRowBlocks : 8192 / (kRowDim * int(sizeof(DTypeKV)));
   static constexpr int kTokensPerLane = kTileTokens / kBdz;
   static constexpr int kStages = 3;
