@@ -23,13 +23,14 @@ CUTE_BASE_WGMMA_WIDTHS = frozenset((8, 16, 32, 64, 96, 128, 192, 256))
 
 def fa3_cta_tile(spec: KernelSpec) -> int:
     """The FA3 kernel's one tile: a consumer warpgroup per 64 rows, three at 16-bit head dim 64, at
-    16-bit head dim 128 without soft cap or window, and fp8 up to head dim 128 (fa3/traits.cuh,
-    PrefillTraits::kConsumerWarpgroups), else two."""
+    16-bit head dims 80-128 (qk = vo) without soft cap or window, and fp8 up to head dim 128
+    (fa3/traits.cuh, PrefillTraits::kConsumerWarpgroups), else two."""
     if spec.dtype_kv.is_fp8:
         three = spec.head_dim_vo <= 128
     else:
         three = spec.head_dim_qk == spec.head_dim_vo == 64 or (
-            spec.head_dim_qk == spec.head_dim_vo == 128 and not spec.use_sliding_window and not spec.use_logits_soft_cap)
+            spec.head_dim_qk == spec.head_dim_vo and 80 <= spec.head_dim_qk <= 128 and not spec.use_sliding_window
+            and not spec.use_logits_soft_cap)
     return 192 if three else 128
 
 

@@ -129,6 +129,15 @@ def test_cuda_core_decode(spec, page_size, group):
     _decode(spec, tensor_cores=False, backend="fa2", page_size=page_size, heads=(2 * group, 2))
 
 
+@pytest.mark.parametrize("spec", [s for s in _specs(Kind.DECODE, Backend.FA2)
+                                  if s.dtype_kv.bytes == 2 and s.head_dim_qk in (80, 96, 112)], ids=_id)
+def test_cuda_core_decode_eight_kv_heads(spec):
+    """Padded 16-bit rows of NHD pages with 8 kv heads side by side (page 16: whole 128-byte token
+    rows): the head slices start at every 32-byte offset of a line, and the last one ends at the
+    token row's end, where a read past the slice would take the next token's (or a NaN) row."""
+    _decode(spec, tensor_cores=False, backend="fa2", page_size=16, heads=(32, 8))
+
+
 @pytest.mark.parametrize("spec", [s for s in _specs(Kind.PREFILL, Backend.FA2) if s.head_dim_qk == s.head_dim_vo], ids=_id)
 def test_tensor_core_decode_fa2(spec):
     _decode(spec, tensor_cores=True, backend="fa2", page_size=16)

@@ -9,7 +9,9 @@
 //   up to kHeadsPerCta of the query heads that share it, so K/V are read once per group; a work
 //   index at or past the plan's num_work (padding of a static CUDA-graph grid) exits at once.
 //   Its k_scale folds into score_scale on the host and v_scale multiplies o after the kernel.
-//   K/V tiles stream through a kStages-deep cp.async ring. A row's source offset is looked up once
+//   K/V tiles stream through a kStages-deep cp.async ring; a padded 16-bit row on the tensor-core
+//   tile copies the whole 128-byte lines around its head slice where the pages allow it
+//   (line_window_lead: NHD, line-aligned strides). A row's source offset is looked up once
 //   per tile, by the row's owner thread, two tiles ahead of its copies (a tile in a register for the
 //   page-id load, a tile in shared memory for the copying threads), so the gather never waits on
 //   the page table and the kBdx copies of a row do not each repeat the lookup.
@@ -81,6 +83,29 @@ __device__ __forceinline__ void merge_if_last(const typename T::Params& p, int32
   }
 }
 
+// The cells by which a padded 16-bit MMA row's ring window starts before its kv head's slice, so
+// that the ring row holds the whole 128-byte lines the slice touches: in NHD a 160-byte slice (hd
+// 80) shares both its lines with a neighbour head's CTA, and lines requested in parts by two SMs
+// kept DRAM at 75% of peak (91% at hd 128; the same kernel over HND pages reaches 94%). -1 where
+// the window does not apply: heads not side by side in a token row (HND), a base, token or page
+// stride that is not whole lines, a slice too far into its line, or a window past the token row.
+template <typename T>
+__device__ __forceinline__ int line_window_lead(const typename T::Params& p, int kv_head) {
+  if constexpr (!T::kLineWindow) {
+    return -1;
+  } else {
+    constexpr int kLine = 128, kSize = sizeof(typename T::DTypeKV);
+    const int64_t slice = int64_t(kv_head) * T::kHeadDim * kSize;  // bytes after the row's head 0
+    const int offset = static_cast<int>(slice % kLine);
+    const bool whole_lines = p.kv_stride_head == T::kHeadDim && (p.kv_stride_token * kSize) % kLine == 0 &&
+                             (p.kv_stride_page * kSize) % kLine == 0 &&
+                             reinterpret_cast<uintptr_t>(p.k) % kLine == 0 && reinterpret_cast<uintptr_t>(p.v) % kLine == 0;
+    const bool fits = offset / 16 + T::kCells <= T::kRowCells &&
+                      slice - offset + T::kRowCells * 16 <= int64_t(p.num_kv_heads) * T::kHeadDim * kSize;
+    return whole_lines && fits ? offset / 16 : -1;
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(const __grid_constant__ typename T::Params p) {
   using DTypeKV = typename T::DTypeKV;
@@ -116,10 +141,15 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
   // past the range keeps page 0's address and copies zeros (its validity is recomputed at issue
   // instead of being carried in the offset). Offsets are in bytes so that issuing a copy is one
   // 64-bit add per tensor.
+  // A padded row reads its real cells, zero-filling the rest without a read, or the whole lines
+  // around them (line_window_lead), the slice then starting lead_cells into the ring row.
   constexpr int kRowsPerPass = T::kThreads / T::kRowCells;
+  const int window = line_window_lead<T>(p, kv_head);
+  const int lead_cells = window < 0 ? 0 : window;
+  const int read_cells = window < 0 ? T::kCells : T::kRowCells;
   const int copy_row = tid / T::kRowCells;
   const int copy_cell = tid % T::kRowCells;
-  const int copy_col = copy_cell * T::kVec;
+  const int copy_col = (copy_cell - lead_cells) * T::kVec;
   const bool row_owner = tid < T::kTileTokens;
   const auto* k_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.k) + kv_head * p.kv_stride_head + copy_col);
   const auto* v_src = reinterpret_cast<const char*>(static_cast<const DTypeKV*>(p.v) + kv_head * p.kv_stride_head + copy_col);
@@ -152,8 +182,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
 #pragma unroll
     for (int c = 0; c < T::kChunksPerThread; ++c) {
       const int row = copy_row + c * kRowsPerPass;
-      // Padding cells (copy_cell >= kCells) are zero-filled without a read.
-      const bool valid = first_token + c * kRowsPerPass < end && (!T::kPaddedRow || copy_cell < T::kCells);
+      const bool valid = first_token + c * kRowsPerPass < end && (!T::kPaddedRow || copy_cell < read_cells);
       const int element = T::ring_element(row, copy_cell);
       common::cp_async_16(&smem.ring.k[stage][element], k_src + offsets[c], valid);
       common::cp_async_16(&smem.ring.v[stage][element], v_src + offsets[c], valid);
@@ -205,7 +234,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinCtasPerSm) decode_kernel(c
     run_tiles([&](int stage, int valid_rows) {
       decode_tile_mma<T>(reinterpret_cast<const uint8_t*>(smem.ring.k[stage]),
                          reinterpret_cast<const uint8_t*>(smem.ring.v[stage]), q, valid_rows, p.post_scale,
-                         smem.mma_probs[warp], smem.mma_scores, warp, lane, lane_state);
+                         smem.mma_probs[warp], smem.mma_scores, lead_cells / 2, warp, lane, lane_state);
     });
     __syncthreads();  // every warp is done reading the ring the lane states overwrite
     share_mma_state<T>(lane_state, smem.lanes, warp, lane);

@@ -18,7 +18,9 @@
 // Contract (fragment layouts of common/mma.cuh; lane = (g, t) = (lane / 4, lane % 4)):
 //   - the ring holds rows of whole 128-byte lines placed by common::Swizzle128 (ring_element); a
 //     16-bit row may be padded (hd 80, 96, 112 in 128 columns): only its hd / 16 real chunks
-//     (kMmaChunks) are read, of K, V and q, and written to the lane states;
+//     (kMmaChunks) are read, of K, V and q, and written to the lane states; they start at ring
+//     chunk ring_chunk (the slice's 32-byte offset in its first line, where the kernel copied the
+//     whole lines around it), chunk 0 of q and o;
 //   - 16-bit: K by ldmatrix and V^T by ldmatrix.trans, in natural order;
 //   - fp8, K: lane (g, t) reads dims [hd/4 t, hd/4 (t + 1)) of rows g and g + 8, so k index 2t + {0, 1}
 //     (+8) of k-step c is dim hd/4 t + 4c + {0, 1} ({2, 3}); q's B fragments follow the same order
@@ -111,7 +113,7 @@ __device__ __forceinline__ void load_query_mma(const typename T::Params& p, int 
   }
 }
 
-// S^T = K Q^T for row block `block`'s 16 rows over the warp's chunks from `first`: s[0..1] =
+// S^T = K Q^T for row block `block`'s 16 rows over the warp's chunks from ring chunk `first`: s[0..1] =
 // (token row g, heads 2t, 2t + 1), s[2..3] = (token row g + 8, same heads).
 template <typename T>
 __device__ __forceinline__ void scores_mma(const uint8_t* k_tile, const MmaQuery<T::kMmaWarpChunks>& q, int block,
@@ -147,7 +149,7 @@ __device__ __forceinline__ void scores_mma(const uint8_t* k_tile, const MmaQuery
   }
 }
 
-// O^T += V^T P^T for row block `block`'s 16 rows and the warp's chunks from `first` (p_frag: P^T's
+// O^T += V^T P^T for row block `block`'s 16 rows and the warp's chunks from ring chunk `first` (p_frag: P^T's
 // B fragments, its two terms).
 template <typename T>
 __device__ __forceinline__ void accumulate_pv_mma(const uint8_t* v_tile, const uint32_t (&p_frag)[4], int block,
@@ -196,20 +198,21 @@ __device__ __forceinline__ void split_probs(float p0, float p1, uint32_t& rounde
   rest = common::pack2<Mma>(p0 - r0, p1 - r1);
 }
 
-// One tile for warp `warp`: rows 16 b .. + 15 of its row block b = warp / kMmaSplit. probs is the
+// One tile for warp `warp`: rows 16 b .. + 15 of its row block b = warp / kMmaSplit, the row's real
+// chunks from ring chunk ring_chunk (0 unless the ring row holds whole lines). probs is the
 // warp's P buffer: rows 0-15 P's rounded term, 16-31 its rest, [token][head]; partial_scores the
 // warp pairs' S^T fragments (kMmaSplit 2), [warp][lane].
 template <typename T>
 __device__ __forceinline__ void decode_tile_mma(const uint8_t* k_tile, const uint8_t* v_tile,
                                                 const MmaQuery<T::kMmaWarpChunks>& q, int valid_rows, float post_scale,
-                                                uint32_t (&probs)[32][4], float4 (*partial_scores)[32], int warp,
-                                                int lane, MmaState<T::kMmaWarpChunks>& st) {
+                                                uint32_t (&probs)[32][4], float4 (*partial_scores)[32],
+                                                int ring_chunk, int warp, int lane, MmaState<T::kMmaWarpChunks>& st) {
   const int g = lane / 4, t = lane % 4;
   const int block = warp / T::kMmaSplit;
   const int first = (warp % T::kMmaSplit) * T::kMmaWarpChunks;
   const int row = 16 * block + g;
   float s[4] = {};
-  scores_mma<T>(k_tile, q, block, first, lane, s);
+  scores_mma<T>(k_tile, q, block, ring_chunk + first, lane, s);
   if constexpr (T::kMmaSplit > 1) {
     // The pair's two halves of each dot product, added in the same order by both warps (a + b is
     // b + a), so both run the same softmax. The slot written here was read before the kv loop's
@@ -267,7 +270,7 @@ __device__ __forceinline__ void decode_tile_mma(const uint8_t* k_tile, const uin
   __syncwarp();
   uint32_t p_frag[4];
   common::ldmatrix_x4_trans(p_frag, &probs[lane][0]);
-  accumulate_pv_mma<T>(v_tile, p_frag, block, first, lane, st.o);
+  accumulate_pv_mma<T>(v_tile, p_frag, block, ring_chunk + first, lane, st.o);
 }
 
 // The warp's state after the kv loop into its row block's token-lane slot (LaneStates), in natural

@@ -64,7 +64,8 @@ struct DecodeTraits {
   // between powers of two (80, 96, 112 -> 16 lanes, 160, 192, 224 -> 32 lanes of a 16-bit cache)
   // runs as kRowDim = kBdx x kVec: the extra lanes' copies are zero-filled without reading memory
   // and their q is zero, so they add 0 to every dot product and nothing to memory traffic, and
-  // their o columns are never stored. Tiles and the ring are sized for kRowDim.
+  // their o columns are never stored (the tensor-core tile may fill them with the neighbouring
+  // heads' bytes instead, kLineWindow, and never reads them). Tiles and the ring are sized for kRowDim.
   // A row of more than 32 cells (16-bit hd 512: 64) cannot take a lane per cell, since a lane group
   // must stay inside a warp: each of 32 lanes takes kCellsPerLane cells, kBdx cells apart (cell
   // tx + c x kBdx), so a warp's reads of one cell index stay 512 contiguous bytes (no bank conflict).
@@ -115,6 +116,11 @@ struct DecodeTraits {
   static constexpr int kMmaSplit = kMmaTile && kRowDim * int(sizeof(DTypeKV)) > 256 ? 2 : 1;  // warps per 16 rows
   static constexpr int kMmaWarpChunks = kMmaChunks / kMmaSplit;  // 16-dim chunks of one warp (of q, K and O^T)
   static constexpr int kMmaRowBlocks = kWarps / kMmaSplit;  // 16-row blocks of a tile: the token lanes
+  // A padded 16-bit row of 128 columns may read the whole 128-byte lines its head slice touches
+  // (line_window_lead): 256 bytes hold the slice when kCells + its offset in cells <= kRowCells,
+  // which hd 80 and 96 meet at every head. hd 112 meets it at half its heads only and ran 0.4-1%
+  // slower with it (docs/tried.md), so it reads its real cells alone.
+  static constexpr bool kLineWindow = kMmaTile && kPaddedRow && kMmaSplit == 1 && kHeadDim <= 96;
   // 8 KB of K and 8 KB of V per stage. 3 stages (48 KB) and <= 128 registers let 4 CTAs share an
   // SM: more warps to hide shuffle and load latency, and more loads in flight than 4 stages at 3
   // CTAs per SM. A 16-bit tensor-core tile takes 16 KB (64 rows of 128 columns, or 32 of 256) and 2

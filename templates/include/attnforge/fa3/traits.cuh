@@ -181,13 +181,14 @@ struct PrefillTraits {
   // bits suit weights in [0, 256]; the wgmma takes e4m3 x e5m2).
   using ElementP = std::conditional_t<kFp8, cutlass::float_e4m3_t, Element>;
 
-  // fp8 prefill up to hd 128 and 16-bit hd 128 (no soft cap or window) run each consumer
-  // warpgroup's tiles in order (run_kv_tiles_in_order): none holds S, P and o for the wgmmas at
-  // once, so three warpgroups fit at 160 registers (the register file holds no second overlapping
-  // one), and the others' GEMMs and softmaxes fill each one's waits (e4m3 +11% over two in
-  // pingpong, docs/tried.md).
+  // fp8 prefill up to hd 128 and 16-bit hd 80-128 with qk = vo (no soft cap or window) run each
+  // consumer warpgroup's tiles in order (run_kv_tiles_in_order): none holds S, P and o for the
+  // wgmmas at once, so three warpgroups fit at 160 registers (the register file holds no second
+  // overlapping one), and the others' GEMMs and softmaxes fill each one's waits (e4m3 +11% over
+  // two in pingpong; 16-bit hd 80-112 +5-20% over two overlapped, docs/tried.md).
   static constexpr bool kInOrder = kFp8 ? kHeadDimVO <= 128 && !kDecodeItems
-                                        : kHeadDimQK == 128 && kHeadDimVO == 128 && !kSoftCap && !kSlidingWindow;
+                                        : kHeadDimQK == kHeadDimVO && kHeadDimQK >= 80 && kHeadDimQK <= 128 &&
+                                              !kSoftCap && !kSlidingWindow;
   // Consumer warpgroups, each owning the 64 rows of one wgmma. hd 64 takes three: its GEMMs are
   // short against the softmax, and a 192-row tile reads each K/V tile for more rows.
   static constexpr int kConsumerWarpgroups = kInOrder || (!kFp8 && kHeadDimQK == 64 && kHeadDimVO == 64) ? 3 : 2;
