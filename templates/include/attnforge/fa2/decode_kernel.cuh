@@ -86,7 +86,7 @@ __device__ __forceinline__ void merge_if_last(const typename T::Params& p, int32
 // The cells by which a padded 16-bit MMA row's ring window starts before its kv head's slice, so
 // that the ring row holds the whole 128-byte lines the slice touches: in NHD a 160-byte slice (hd
 // 80) shares both its lines with a neighbour head's CTA, and lines requested in parts by two SMs
-// kept DRAM at 75% of peak (91% at hd 128; the same kernel over HND pages reaches 94%). -1 where
+// hold DRAM well under its peak (docs/design.md, FA2 decode). -1 where
 // the window does not apply: heads not side by side in a token row (HND), a base, token or page
 // stride that is not whole lines, a slice too far into its line, or a window past the token row.
 template <typename T>

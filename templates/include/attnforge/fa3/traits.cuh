@@ -185,7 +185,7 @@ struct PrefillTraits {
   // consumer warpgroup's tiles in order (run_kv_tiles_in_order): none holds S, P and o for the
   // wgmmas at once, so three warpgroups fit at 160 registers (the register file holds no second
   // overlapping one), and the others' GEMMs and softmaxes fill each one's waits (e4m3 +11% over
-  // two in pingpong; 16-bit hd 80-112 +5-20% over two overlapped, docs/tried.md).
+  // two in pingpong, docs/tried.md; 16-bit hd 80-112 +5-20% over two overlapped).
   static constexpr bool kInOrder = kFp8 ? kHeadDimVO <= 128 && !kDecodeItems
                                         : kHeadDimQK == kHeadDimVO && kHeadDimQK >= 80 && kHeadDimQK <= 128 &&
                                               !kSoftCap && !kSlidingWindow;
