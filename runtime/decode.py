@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,8 @@ from attnforge.codegen.spec import PosEncoding
 from . import call_knobs, checks, compile_ops, dispatch, kv_cache
 from .loader import Module, load
 from .run_args import Accepted, checked_paged
-from .plan_buffers import cuda_index, current_stream, lse_output, num_sms, output, score_scales, split_tokens
+from .plan_buffers import (HostImage, cuda_index, current_stream, lse_output, num_sms, output, score_scales,
+                           split_tokens)
 from .planner import (
     MAX_CTAS_PER_SM_BOUND,
     MIN_CHUNK_TOKENS,
@@ -182,8 +184,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._plan_call: tuple[torch.Tensor | None, bool] = (None, False)  # that plan's (host_indptr, reuse)
         self._knobs: DecodeKnobs | None = None
         self._int_workspace = torch.empty(0, dtype=torch.int32, device=self._device)
-        self._host_image = torch.empty(0, dtype=torch.int32)
-        self._upload_done: torch.cuda.Event | None = None  # recorded by the module after each upload
+        self._host_image = HostImage()
+        weakref.finalize(self, self._host_image.retire).atexit = False
         self._plan: _Plan | None = None
         self._debug = settings().debug  # ATTNFORGE_DEBUG, read once per wrapper
         self._handle = compile_ops.register(self)  # how a torch.compile graph names this wrapper
@@ -356,7 +358,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         args = binding.DecodePlanArgs.from_buffer_copy(args_template)
         args.indptr, args.last_page_len, args.image = indptr.data_ptr(), last_page_len.data_ptr(), image_ptr
         args.device_image, args.upload_stream = device_image_ptr, current_stream(device_index)
-        args.upload_done = self._upload_done.cuda_event
+        args.upload_done = self._host_image.upload_done.cuda_event
         args.num_indices = indices.numel()
         info = binding.DecodePlanInfo()
         status = module.fns["decode_plan"](ctypes.byref(args), ctypes.byref(info))
@@ -388,22 +390,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._set_scales(1.0, 1.0)
 
     def _image_buffers(self, size: int) -> tuple[int, int]:
-        """Addresses of the pinned host and the device plan image, `size` int32 entries each. The
-        host image is refilled only after the module's previous upload of it finished."""
-        if self._upload_done is not None:
-            self._upload_done.synchronize()
-        else:
-            # torch creates the CUDA event at its first record; the module records it from then on.
-            self._upload_done = torch.cuda.Event()
-            self._upload_done.record(torch.cuda.current_stream(self._device))
-        if self._host_image.numel() < size:
-            self._host_image = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        """Addresses of the pinned host and the device plan image, `size` int32 entries each (the
+        host one no earlier upload still reads: HostImage)."""
+        host = self._host_image.buffer(size, torch.cuda.current_stream(self._device))
         if self._int_workspace.numel() < size:
             if self._graph and self._int_workspace.numel() > 0:
                 raise ValueError("plan(): a CUDA-graph wrapper cannot grow its plan buffer; keep batch size and "
                                  "heads fixed across plans")
             self._int_workspace = torch.empty(size, dtype=torch.int32, device=self._device)
-        return self._host_image.data_ptr(), self._int_workspace.data_ptr()
+        return host.data_ptr(), self._int_workspace.data_ptr()
 
     def _set_scales(self, q_scale: float, k_scale: float) -> None:
         plan = self._plan

@@ -86,6 +86,41 @@ class PlanImage:
         return int(self.on_device[index])
 
 
+# Pinned host images dropped while the module's own upload of them may still be in flight, each
+# with the event recorded after that upload; held until the event completes (see HostImage).
+_RETIRED_HOST_IMAGES: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+
+
+class HostImage:
+    """The decode plan image's pinned host buffer and the event the module records after each
+    upload of it. The module copies with its own cudaMemcpyAsync, which torch's host allocator does
+    not see: a buffer freed before that copy ran (its wrapper collected right after run(), or the
+    buffer grown) could be handed to another plan() and refilled under the copy. So the buffer is
+    refilled only after its last upload finished, and one dropped earlier is held until then."""
+
+    def __init__(self) -> None:
+        self.host = torch.empty(0, dtype=torch.int32)
+        self.upload_done: torch.cuda.Event | None = None
+
+    def buffer(self, size: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        """A pinned buffer of `size` int32 entries that no upload reads any more."""
+        _RETIRED_HOST_IMAGES[:] = [(host, done) for host, done in _RETIRED_HOST_IMAGES if not done.query()]
+        if self.upload_done is not None:
+            self.upload_done.synchronize()
+        else:
+            # torch creates the CUDA event at its first record; the module records it from then on.
+            self.upload_done = torch.cuda.Event()
+            self.upload_done.record(stream)
+        if self.host.numel() < size:
+            self.host = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        return self.host
+
+    def retire(self) -> None:
+        """Called when the owner goes: keep the buffer while its last upload may still read it."""
+        if self.upload_done is not None and self.host.numel() > 0 and not self.upload_done.query():
+            _RETIRED_HOST_IMAGES.append((self.host, self.upload_done))
+
+
 def output(out, name: str, shape: tuple, dtype: torch.dtype, device: torch.device, why: str) -> torch.Tensor:
     """The caller's `out` checked against what plan() promised, or a new tensor."""
     if out is None:

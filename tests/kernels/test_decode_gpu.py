@@ -601,6 +601,25 @@ def test_repeated_runs_after_one_plan_merge_every_time(group, fixed_split_size):
         check_against_reference(case, b, o, lse)
 
 
+def test_a_wrapper_dropped_before_its_upload_ran_keeps_its_plan_image():
+    """The module uploads the plan image with its own async copy, which torch's pinned-memory cache
+    does not see: a wrapper dropped right after run() must hold its host image until that copy ran,
+    or the next plan() can be handed the same memory and refill it under the copy. A spinning
+    kernel keeps the GPU busy, so both plans are filled before the first upload runs; the two
+    batches have the same shape (the same image size) and different lengths."""
+    first = Case(module=MODULES[1], layout="NHD", single_tensor=False, page_size=16, kv_lens=[900, 40, 2000, 7],
+                 num_kv_heads=8, group=4, seed=1)
+    second = replace(first, kv_lens=[33, 1500, 64, 800], seed=2)
+    b1, b2 = make_batch(first), make_batch(second)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # ~0.25 s ahead of both uploads
+    o1, lse1 = decode(first, b1)  # its wrapper is gone when decode() returns
+    o2, lse2 = decode(second, b2)
+    torch.cuda.synchronize()
+    check_against_reference(first, b1, o1, lse1)
+    check_against_reference(second, b2, o2, lse2)
+
+
 @pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
 @pytest.mark.parametrize("group", [4, 16])
 def test_cuda_graph_replays_of_a_split_batch_merge_every_time(group, debug, monkeypatch):
