@@ -94,9 +94,9 @@ _RETIRED_HOST_IMAGES: list[tuple[torch.Tensor, torch.cuda.Event]] = []
 class HostImage:
     """The decode plan image's pinned host buffer and the event the module records after each
     upload of it. The module copies with its own cudaMemcpyAsync, which torch's host allocator does
-    not see: a buffer freed before that copy ran (its wrapper collected right after run(), or the
-    buffer grown) could be handed to another plan() and refilled under the copy. So the buffer is
-    refilled only after its last upload finished, and one dropped earlier is held until then."""
+    not see: a buffer freed before that copy ran (its wrapper collected right after run()) could be
+    handed to another plan() and refilled under the copy. So the buffer is refilled or replaced only
+    after its last upload finished, and one whose owner goes earlier is held until then."""
 
     def __init__(self) -> None:
         self.host = torch.empty(0, dtype=torch.int32)
