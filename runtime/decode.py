@@ -27,7 +27,7 @@ from attnforge.codegen.spec import PosEncoding
 from . import call_knobs, checks, compile_ops, dispatch, kv_cache
 from .loader import Module, load
 from .run_args import Accepted, checked_paged
-from .plan_buffers import (HostImage, cuda_index, current_stream, lse_output, num_sms, output, score_scales,
+from .plan_buffers import (PlanImage, cuda_index, current_stream, lse_output, num_sms, output, score_scales,
                            split_tokens)
 from .planner import (
     MAX_CTAS_PER_SM_BOUND,
@@ -183,9 +183,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._plan_inputs: DecodePlanInputs | None = None  # what forward() and fast_decode_plan plan again from
         self._plan_call: tuple[torch.Tensor | None, bool] = (None, False)  # that plan's (host_indptr, reuse)
         self._knobs: DecodeKnobs | None = None
-        self._int_workspace = torch.empty(0, dtype=torch.int32, device=self._device)
-        self._host_image = HostImage()
-        weakref.finalize(self, self._host_image.retire).atexit = False
+        self._image = PlanImage(self._device, fixed_address=self._graph)
+        weakref.finalize(self, self._image.staging.retire).atexit = False
         self._plan: _Plan | None = None
         self._debug = settings().debug  # ATTNFORGE_DEBUG, read once per wrapper
         self._handle = compile_ops.register(self)  # how a torch.compile graph names this wrapper
@@ -349,7 +348,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._graph:
             self._graph_batch_size = batch_size
         image_size = checks.plan_image_size(_layout(batch_size, capacity, ctas_per_request)[1], capacity)
-        image_ptr, device_image_ptr = self._image_buffers(image_size)
+        host_image = self._image.host_buffer(image_size)  # grows the device image too
+        image_ptr, device_image_ptr = host_image.data_ptr(), self._image.on_device.data_ptr()
 
         binding = module.binding
         args_template, params_template = _struct_templates(
@@ -358,7 +358,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         args = binding.DecodePlanArgs.from_buffer_copy(args_template)
         args.indptr, args.last_page_len, args.image = indptr.data_ptr(), last_page_len.data_ptr(), image_ptr
         args.device_image, args.upload_stream = device_image_ptr, current_stream(device_index)
-        args.upload_done = self._host_image.upload_done.cuda_event
+        args.upload_done = self._image.staging.upload_done.cuda_event
         args.num_indices = indices.numel()
         info = binding.DecodePlanInfo()
         status = module.fns["decode_plan"](ctypes.byref(args), ctypes.byref(info))
@@ -388,17 +388,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             sm_scale=knobs.sm_scale, soft_cap=knobs.soft_cap, window_left=window_left, host_max_page=host_max_page,
             indices=indices)
         self._set_scales(1.0, 1.0)
-
-    def _image_buffers(self, size: int) -> tuple[int, int]:
-        """Addresses of the pinned host and the device plan image, `size` int32 entries each (the
-        host one no earlier upload still reads: HostImage)."""
-        host = self._host_image.buffer(size, torch.cuda.current_stream(self._device))
-        if self._int_workspace.numel() < size:
-            if self._graph and self._int_workspace.numel() > 0:
-                raise ValueError("plan(): a CUDA-graph wrapper cannot grow its plan buffer; keep batch size and "
-                                 "heads fixed across plans")
-            self._int_workspace = torch.empty(size, dtype=torch.int32, device=self._device)
-        return host.data_ptr(), self._int_workspace.data_ptr()
 
     def _set_scales(self, q_scale: float, k_scale: float) -> None:
         plan = self._plan
@@ -548,8 +537,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             plan.scales = None
 
     def _raise_kernel_errors(self) -> None:
-        torch.cuda.synchronize(self._device)
-        error = int(self._int_workspace[PLAN_HEADER.index("error")])
+        error = self._image.read_slot(PLAN_HEADER.index("error"))
         if error & PLAN_ERROR_BAD_PAGE:
             raise RuntimeError(f"{self._plan.module.spec.uri}: fa2::decode_kernel read a page id outside [0, "
                                f"{self._plan.params.num_pages}) from indices; the affected outputs are NaN")

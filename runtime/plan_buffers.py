@@ -50,53 +50,18 @@ def float_workspace(buffer, name: str = "float_workspace_buffer") -> torch.Tenso
     return buffer
 
 
-class PlanImage:
-    """The int32 plan image: filled on the host in pinned memory, uploaded with one async copy.
-    The host buffer is refilled only after its previous upload finished; under CUDA graphs the
-    device buffer never moves (captured kernels hold its address)."""
-
-    def __init__(self, device: torch.device, fixed_address: bool) -> None:
-        self.device = device
-        self.fixed_address = fixed_address
-        self.host = torch.empty(0, dtype=torch.int32)
-        self.on_device = torch.empty(0, dtype=torch.int32, device=device)
-        self._upload_done: torch.cuda.Event | None = None
-
-    def host_buffer(self, size: int) -> torch.Tensor:
-        if self._upload_done is not None:
-            self._upload_done.synchronize()
-        else:
-            self._upload_done = torch.cuda.Event()
-        if self.host.numel() < size:
-            self.host = torch.empty(size, dtype=torch.int32, pin_memory=True)
-        if self.on_device.numel() < size:
-            if self.fixed_address and self.on_device.numel() > 0:
-                raise ValueError("plan(): a CUDA-graph wrapper cannot grow its plan buffer; keep batch size and "
-                                 "heads fixed across plans")
-            self.on_device = torch.empty(size, dtype=torch.int32, device=self.device)
-        return self.host
-
-    def upload(self, size: int) -> None:
-        self.on_device[:size].copy_(self.host[:size], non_blocking=True)
-        self._upload_done.record()
-
-    def read_slot(self, index: int) -> int:
-        """A header slot as the kernels left it (synchronizes: debug paths only)."""
-        torch.cuda.synchronize(self.device)
-        return int(self.on_device[index])
-
-
 # Pinned host images dropped while the module's own upload of them may still be in flight, each
 # with the event recorded after that upload; held until the event completes (see HostImage).
 _RETIRED_HOST_IMAGES: list[tuple[torch.Tensor, torch.cuda.Event]] = []
 
 
 class HostImage:
-    """The decode plan image's pinned host buffer and the event the module records after each
-    upload of it. The module copies with its own cudaMemcpyAsync, which torch's host allocator does
-    not see: a buffer freed before that copy ran (its wrapper collected right after run()) could be
-    handed to another plan() and refilled under the copy. So the buffer is refilled or replaced only
-    after its last upload finished, and one whose owner goes earlier is held until then."""
+    """A plan image's pinned host buffer and the event recorded after each upload of it. The buffer
+    is refilled or replaced only after its last upload finished. The decode module copies with its
+    own cudaMemcpyAsync, which torch's host allocator does not see: a buffer freed before that copy
+    ran (its wrapper collected right after run()) could be handed to another plan() and refilled
+    under the copy, so the decode wrapper retires its buffer when it goes, holding it until then
+    (torch's own copy_, prefill's upload, records the buffer's use itself)."""
 
     def __init__(self) -> None:
         self.host = torch.empty(0, dtype=torch.int32)
@@ -108,7 +73,7 @@ class HostImage:
         if self.upload_done is not None:
             self.upload_done.synchronize()
         else:
-            # torch creates the CUDA event at its first record; the module records it from then on.
+            # torch creates the CUDA event at its first record; the uploads record it from then on.
             self.upload_done = torch.cuda.Event()
             self.upload_done.record(stream)
         if self.host.numel() < size:
@@ -119,6 +84,37 @@ class HostImage:
         """Called when the owner goes: keep the buffer while its last upload may still read it."""
         if self.upload_done is not None and self.host.numel() > 0 and not self.upload_done.query():
             _RETIRED_HOST_IMAGES.append((self.host, self.upload_done))
+
+
+class PlanImage:
+    """The int32 plan image: filled on the host in pinned memory (HostImage), uploaded with one async
+    copy, by torch (upload) or by a module (decode: its own copy records staging.upload_done). Under
+    CUDA graphs the device buffer never moves (captured kernels hold its address)."""
+
+    def __init__(self, device: torch.device, fixed_address: bool) -> None:
+        self.device = device
+        self.fixed_address = fixed_address
+        self.staging = HostImage()
+        self.on_device = torch.empty(0, dtype=torch.int32, device=device)
+
+    def host_buffer(self, size: int) -> torch.Tensor:
+        """The pinned host image of `size` int32 entries, and a device image at least that large."""
+        host = self.staging.buffer(size, torch.cuda.current_stream(self.device))
+        if self.on_device.numel() < size:
+            if self.fixed_address and self.on_device.numel() > 0:
+                raise ValueError("plan(): a CUDA-graph wrapper cannot grow its plan buffer; keep batch size and "
+                                 "heads fixed across plans")
+            self.on_device = torch.empty(size, dtype=torch.int32, device=self.device)
+        return host
+
+    def upload(self, size: int) -> None:
+        self.on_device[:size].copy_(self.staging.host[:size], non_blocking=True)
+        self.staging.upload_done.record()
+
+    def read_slot(self, index: int) -> int:
+        """A header slot as the kernels left it (synchronizes: debug paths only)."""
+        torch.cuda.synchronize(self.device)
+        return int(self.on_device[index])
 
 
 def output(out, name: str, shape: tuple, dtype: torch.dtype, device: torch.device, why: str) -> torch.Tensor:

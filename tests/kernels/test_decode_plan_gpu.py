@@ -88,7 +88,7 @@ def _split_case(group: int) -> Case:
 
 
 def _num_partials(wrapper) -> int:
-    return int(wrapper._int_workspace[PLAN_HEADER.index("num_partials")])
+    return wrapper._image.read_slot(PLAN_HEADER.index("num_partials"))
 
 
 @pytest.mark.parametrize("fixed_split_size", [None, 16], ids=["planner-split", "fixed-split-16"])

@@ -289,7 +289,7 @@ def test_decode_workspace_size_suffices_for_a_split_batch():
     indices = torch.arange(pages, dtype=torch.int32, device=DEVICE)
     w = wrapper(workspace_bytes=size)
     w.plan(indptr, indices, last, HQ, HKV, HD, PAGE, q_data_type=torch.bfloat16)
-    num_partials = int(w._int_workspace[PLAN_HEADER.index("num_partials")])
+    num_partials = w._image.read_slot(PLAN_HEADER.index("num_partials"))
     assert num_partials > 1, "a single 8k-token request should be split across the GPU"
     out = w.run(q, (k, v))
     ref, _ = reference.batch_decode_paged(q.float(), (k.float(), v.float()), indptr, indices, last)
